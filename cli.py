@@ -1,0 +1,203 @@
+"""The `glmvit-cupy` command line: encode images, inspect or make a checkpoint, benchmark.
+
+Every user mistake (missing image, unreadable checkpoint, unwritable output) ends in one
+line on stderr naming the culprit and a non-zero exit; outputs are written to a temporary
+file beside the target and renamed into place, so a failed run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, IO
+
+import click
+import numpy as np
+
+from glmvit_cupy.errors import GlmVitError
+from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
+
+OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",),
+           "both": ("pooler_output", "last_hidden_state")}
+
+
+def fail(message: str) -> None:
+    click.echo(f"glmvit-cupy: error: {message}", err=True)
+    sys.exit(1)
+
+
+def user_errors(command: Callable) -> Callable:
+    """Turn GlmVitError (and running out of memory) into one line and exit status 1."""
+    @functools.wraps(command)
+    def wrapped(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except GlmVitError as exc:
+            fail(str(exc))
+        except MemoryError:
+            fail("out of host memory (try a smaller --max-pixels or fewer images per call)")
+    return wrapped
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an output path we could not create, before any work is done."""
+    if path.is_dir():
+        raise GlmVitError(f"{path}: is a directory, expected an output file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise GlmVitError(f"{path}: directory {parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+    except OSError as exc:
+        raise GlmVitError(f"{path}: cannot write there: {exc.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write through a temporary file in the same directory, fsync, then rename over `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def to_numpy(array) -> np.ndarray:
+    return array.get() if hasattr(array, "get") else np.asarray(array)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="glmvit-cupy")
+def main() -> None:
+    """Run the GLM-5.3-Flash vision tower without a framework.
+
+    Turns images into the embeddings a VLM splices into its language model: on an NVIDIA
+    GPU through CuPy + cuBLAS, or on the CPU through the float32 NumPy reference.
+    """
+
+
+@main.command()
+@click.argument("images", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Checkpoint directory (config.json + safetensors shards).")
+@click.option("--out", "out_path", required=True, type=click.Path(path_type=Path),
+              help="Output file: .npy (one image, one output) or .npz.")
+@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
+              help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
+@click.option("--output", "which", type=click.Choice(list(OUTPUTS)), default="pooler", show_default=True,
+              help="pooler: the merger's output (what the LM splices in); last_hidden: the "
+                   "downsample's output; both (needs .npz).")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
+              help="Pixel budget of one forward call (sizes the GPU scratch). "
+                   "[default: one image of --max-image-tokens]")
+@click.option("--min-image-tokens", type=click.IntRange(min=1), default=MIN_IMAGE_TOKENS, show_default=True,
+              help="Smaller images are enlarged to at least this many merged tokens.")
+@click.option("--max-image-tokens", type=click.IntRange(min=1), default=MAX_IMAGE_TOKENS, show_default=True,
+              help="Larger images are shrunk to at most this many merged tokens.")
+@user_errors
+def encode(images: tuple[Path, ...], model_dir: Path, out_path: Path, backend: str, which: str,
+           max_pixels: int | None, min_image_tokens: int, max_image_tokens: int) -> None:
+    """Encode IMAGES into embeddings written to --out.
+
+    One image with .npy gives float32 [tokens, out_hidden] of the chosen output. .npz holds
+    pooler_output and/or last_hidden_state (all images' tokens stacked), grid_thw [images, 3]
+    and offsets [images + 1] (image i owns rows offsets[i]:offsets[i+1]).
+    """
+    from glmvit_cupy import GlmVit
+
+    suffix = out_path.suffix.lower()
+    if suffix not in (".npy", ".npz"):
+        raise GlmVitError(f"{out_path}: output must end in .npy or .npz")
+    if suffix == ".npy" and (len(images) > 1 or which == "both"):
+        raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
+    check_writable(out_path)
+
+    vit = GlmVit.from_pretrained(model_dir, backend=backend, max_pixels=max_pixels)
+    if vit.backend_note and vit.backend == "numpy":
+        click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
+    results = vit.encode(list(images), min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    arrays = {name: np.concatenate([to_numpy(getattr(r, name)) for r in results]) for name in OUTPUTS[which]}
+    grid = np.concatenate([r.grid_thw for r in results])
+    counts = [len(to_numpy(r.pooler_output)) for r in results]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    if suffix == ".npy":
+        write_atomic(out_path, lambda f: np.save(f, next(iter(arrays.values()))))
+    else:
+        write_atomic(out_path, lambda f: np.savez(f, **arrays, grid_thw=grid, offsets=offsets))
+    shape = next(iter(arrays.values())).shape
+    click.echo(f"{out_path}: {len(images)} image(s), {shape[0]} tokens x {shape[1]} "
+               f"({', '.join(arrays)}), backend {vit.backend}", err=True)
+
+
+@main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Checkpoint directory.")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for.")
+@user_errors
+def info(model_dir: Path, max_pixels: int | None) -> None:
+    """Show the tower bound from a checkpoint (headers only; no tensor data is read)."""
+    from glmvit_cupy.checkpoint import locate_tower
+    from glmvit_cupy.scratch import scratch_plan
+
+    loc = locate_tower(model_dir, max_pixels)
+    geo = loc.geometry
+    all_shards = sorted({p.name for p in model_dir.glob("*.safetensors")})
+    read = [s.name for s in loc.shards]
+    skipped = len(all_shards) - len(read)
+    rows = [
+        ("checkpoint", str(model_dir)),
+        ("prefix", loc.prefix),
+        ("tensors", f"{len(loc.entries)} BF16 (census of depth x 14 + 11 = {geo.tensor_count} complete)"),
+        ("parameters", f"{geo.parameter_count:,}"),
+        ("bytes", f"{loc.tower_bytes:,} ({loc.tower_bytes / 2**30:.2f} GiB)"),
+        ("shards read", ", ".join(read) + (f" ({skipped} other shard(s) not opened)" if skipped else "")),
+        ("geometry", f"depth {geo.depth}, hidden {geo.hidden_size}, heads {geo.num_heads} (head_dim "
+                     f"{geo.head_dim}), intermediate {geo.intermediate_size}, patch {geo.patch_size}x"
+                     f"{geo.patch_size}x{geo.temporal_patch_size} ({geo.patch_dim} values), merge "
+                     f"{geo.spatial_merge_size}, out {geo.out_hidden_size}, projection "
+                     f"{geo.projection_intermediate_size}"),
+        ("numerics", f"rms_norm_eps {geo.rms_norm_eps:g}, swiglu_limit {geo.swiglu_limit:g}, "
+                     f"rope_theta {geo.rope_theta:g}"),
+        ("p_max", f"{geo.p_max} patches per forward call"),
+        ("gpu scratch", f"{scratch_plan(geo).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+
+
+@main.command("make-checkpoint")
+@click.argument("directory", type=click.Path(path_type=Path, file_okay=False))
+@click.option("--geometry", type=click.Choice(["real", "tiny"]), default="real", show_default=True,
+              help="real: GLM-5.3-Flash's tower (1.05 GiB); tiny: a 2-block tower for quick runs.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the weights.")
+@user_errors
+def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
+    """Write a checkpoint in the released layout with random weights into DIRECTORY.
+
+    Same config.json, shard index, tensor names, shapes and BF16 dtype as the real
+    GLM-5.3-Flash export, plus text-stack decoy tensors the binder must skip. For tests,
+    benchmarks and first runs where the real weights are not at hand.
+    """
+    from glmvit_cupy.checkpoint import locate_tower
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    out = write_checkpoint(directory, geometry, seed)
+    loc = locate_tower(out)
+    click.echo(f"{out}: {geometry} tower, {len(loc.entries)} BF16 tensors, "
+               f"{loc.tower_bytes / 2**20:.1f} MiB, seed {seed}")
+
+
+if __name__ == "__main__":
+    main()

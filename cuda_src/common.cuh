@@ -1,0 +1,47 @@
+// common.cuh — helpers every glmvit-cupy kernel file uses: BF16 conversion, warp and block
+// reductions. The loader (glmvit_cupy/kernels.py) pastes this file in place of its
+// #include, so CuPy's on-disk compile cache sees any change to it.
+#pragma once
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum (or max) over the block; every thread gets the result. `scratch` holds one float per
+// warp. All threads add the partials in the same order, so the result is deterministic.
+// Ends with a barrier so the caller may reuse `scratch` straight away.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
+    v = MAX ? warp_max(v) : warp_sum(v);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = scratch[0];
+    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) r = MAX ? fmaxf(r, scratch[i]) : r + scratch[i];
+    __syncthreads();
+    return r;
+}
+
+// Four floats -> four BF16 (round to nearest even) packed in 8 bytes, for one 8-byte store.
+__device__ __forceinline__ uint2 pack4_bf16(float a, float b, float c, float d) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    return make_uint2(*reinterpret_cast<unsigned*>(&lo), *reinterpret_cast<unsigned*>(&hi));
+}
+
+__device__ __forceinline__ float4 load4_bf16(const bf16* p) {  // p 8-byte aligned
+    uint2 u = *reinterpret_cast<const uint2*>(p);
+    __nv_bfloat162 lo = *reinterpret_cast<__nv_bfloat162*>(&u.x), hi = *reinterpret_cast<__nv_bfloat162*>(&u.y);
+    float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+    return make_float4(a.x, a.y, b.x, b.y);
+}

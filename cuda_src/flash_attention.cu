@@ -1,0 +1,261 @@
+// flash_attention.cu — fused varlen attention: softmax(q k^T * hd^-0.5) v within each segment
+// (one per image frame), in one launch for a whole batch, never materialising the scores.
+//
+// Shape: one CTA of 4 warps per (128-query tile, head); each warp owns 32 query rows (two m16
+// tiles), so every K/V fragment read from shared memory feeds two MMAs: with 16 rows a warp
+// the loop is bound by shared-memory bandwidth, not the tensor cores (FA2's choice for hd 64).
+// K and V stream through shared memory in 64-key tiles, double-buffered with cp.async so the
+// next tile loads while this one is multiplied. Per tile and warp:
+//   S = Q K^T         mma.sync m16n8k16 (BF16 in, FP32 accumulate); Q stays in registers
+//   online softmax    running row max / sum in FP32, exp2 with the scale folded into log2(e)
+//   O += P V          P re-packed from the S accumulators straight into A fragments (the
+//                     m16n8 C layout pairs up into the m16k16 A layout), V via ldmatrix.trans
+// Shared tiles are stored with 16-byte chunks XOR-swizzled by row (chunk ^ (row & 7)): the 8
+// rows one ldmatrix reads would otherwise all sit in the same 4 banks (rows are 128 bytes).
+// Keys past the segment end are zero-filled by cp.async and masked to -inf; query rows past
+// it are computed on zeros and not stored.
+//
+// Work list (`tiles`, int4 per CTA): {segment start row, segment length, first query row in
+// the segment, unused}, built on the host from the segments (engine.py). Segments of one
+// batch may differ in length; each CTA walks only its own segment's keys, in a fixed order,
+// so results do not depend on where an image sits in a batch.
+// Input: the QKV buffer [P, 3, heads, HD] after qknorm_rope (row stride 3 * heads * HD).
+// Output: [P, heads * HD]. Reference: segment_attention in reference.py; cross-check: the
+// naive path (cuBLAS score GEMM + softmax.cu + cuBLAS PV GEMM).
+#include "common.cuh"
+
+namespace {
+
+constexpr int BM = 128;   // queries per CTA
+constexpr int BN = 64;    // keys per pipeline stage
+constexpr int THREADS = 128;
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// D += A B for one m16n8k16 tile. A: 4 regs (row-major 16x16), B: 2 regs (16x8, "col").
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][HD] tile.
+template <int HD>
+__device__ __forceinline__ int swz(int row, int chunk) { return row * HD + ((chunk ^ (row & 7)) << 3); }
+
+// Copy `ROWS` rows of HD values (global row stride `ld`) into a swizzled tile; rows at or past
+// `valid` are zero-filled (src-size 0 reads nothing).
+template <int ROWS, int HD>
+__device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long ld, int valid) {
+    constexpr int CHUNKS = HD / 8;
+    #pragma unroll
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+        const int row = i / CHUNKS, chunk = i % CHUNKS;
+        const bool ok = row < valid;
+        cp_async_16(tile + swz<HD>(row, chunk), src + (ok ? row * ld + chunk * 8 : 0), ok ? 16 : 0);
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf16* __restrict__ out,
+                                                const int4* __restrict__ tiles, int heads, float scale_log2) {
+    static_assert(HD % 64 == 0, "the row swizzle needs at least 8 16-byte chunks a row");
+    constexpr int MT = 2;         // m16 tiles per warp (32 query rows)
+    constexpr int KQ = HD / 16;   // k16 steps over the head dim (S = Q K^T)
+    constexpr int NS = BN / 8;    // n8 tiles of S per key tile
+    constexpr int NO = HD / 8;    // n8 tiles of O
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+    bf16* sK = sQ + BM * HD;      // [2][BN][HD]
+    bf16* sV = sK + 2 * BN * HD;  // [2][BN][HD]
+
+    const int4 work = tiles[blockIdx.x];
+    const int seg_start = work.x, seg_len = work.y, q0 = work.z, head = blockIdx.y;
+    const int h = heads * HD;
+    const long long ld = 3LL * h;
+    const bf16* gQ = qkv + (long long)(seg_start + q0) * ld + head * HD;
+    const bf16* gK = qkv + (long long)seg_start * ld + h + head * HD;
+    const bf16* gV = gK + h;
+    const int n_tiles = (seg_len + BN - 1) / BN;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;  // the mma fragment's row group and column pair
+
+    load_tile<BM, HD>(sQ, gQ, ld, min(BM, seg_len - q0));
+    load_tile<BN, HD>(sK, gK, ld, min(BN, seg_len));
+    load_tile<BN, HD>(sV, gV, ld, min(BN, seg_len));
+    cp_async_commit();
+
+    unsigned qf[MT][KQ][4];
+    float o[MT][NO][4];
+    float m_run[MT][2], l_run[MT][2];  // per m-tile: rows g and g + 8
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int n = 0; n < NO; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m_run[mt][0] = m_run[mt][1] = -INFINITY;
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
+
+    for (int kt = 0; kt < n_tiles; ++kt) {
+        const int buf = kt & 1;
+        if (kt + 1 < n_tiles) {  // prefetch the next key tile into the other buffer
+            const int valid = min(BN, seg_len - (kt + 1) * BN);
+            load_tile<BN, HD>(sK + (buf ^ 1) * BN * HD, gK + (long long)(kt + 1) * BN * ld, ld, valid);
+            load_tile<BN, HD>(sV + (buf ^ 1) * BN * HD, gV + (long long)(kt + 1) * BN * ld, ld, valid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // everything but the prefetch just issued has landed
+        __syncthreads();
+
+        if (kt == 0) {  // Q fragments, once: rows warp*32 + mt*16 + (lane & 15), chunk 2*ks + lane/16
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int ks = 0; ks < KQ; ++ks)
+                    ldmatrix_x4(qf[mt][ks], sQ + swz<HD>(warp * 32 + mt * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+        }
+
+        // S = Q K^T. One ldmatrix.x4 gives B fragments for two n8 key tiles at one k16 step:
+        // matrices (keys +0..7, dims lo), (keys +0..7, dims hi), (keys +8..15, lo), (+8..15, hi).
+        const bf16* k_tile = sK + buf * BN * HD;
+        float s[MT][NS][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+        #pragma unroll
+        for (int ks = 0; ks < KQ; ++ks)
+            #pragma unroll
+            for (int n = 0; n < NS; n += 2) {
+                unsigned b[4];
+                ldmatrix_x4(b, k_tile + swz<HD>(n * 8 + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][n], qf[mt][ks], b[0], b[1]);
+                    mma_bf16(s[mt][n + 1], qf[mt][ks], b[2], b[3]);
+                }
+            }
+
+        // Keys past the segment end (last tile only) take no weight.
+        const int key0 = kt * BN;
+        if (key0 + BN > seg_len) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int n = 0; n < NS; ++n)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (key0 + n * 8 + 2 * t + (e & 1) >= seg_len) s[mt][n][e] = -INFINITY;
+        }
+
+        // Online softmax. A row's 64 scores are spread over the 4 lanes of a quad (same g):
+        // reduce the max across them; the sum stays per lane until the end.
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = m_run[mt][r];
+                #pragma unroll
+                for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float corr = exp2f((m_run[mt][r] - mx) * scale_log2);  // 0 on the first tile
+                const float base = mx * scale_log2;
+                m_run[mt][r] = mx;
+                float sum = 0.f;
+                #pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    s[mt][n][2 * r] = exp2f(fmaf(s[mt][n][2 * r], scale_log2, -base));
+                    s[mt][n][2 * r + 1] = exp2f(fmaf(s[mt][n][2 * r + 1], scale_log2, -base));
+                    sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+                }
+                l_run[mt][r] = l_run[mt][r] * corr + sum;
+                #pragma unroll
+                for (int n = 0; n < NO; ++n) {
+                    o[mt][n][2 * r] *= corr;
+                    o[mt][n][2 * r + 1] *= corr;
+                }
+            }
+
+        // O += P V. Key step kk covers S n-tiles 2kk and 2kk+1: their C fragments are exactly
+        // the A fragment of P (rows g / g+8, keys 2t.. / 8+2t..). One ldmatrix.x4.trans gives B
+        // fragments for two n8 tiles of the head dim: (keys +0..7, dims lo), (+8..15, lo),
+        // (+0..7, dims hi), (+8..15, hi).
+        const bf16* v_tile = sV + buf * BN * HD;
+        #pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned a[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+            #pragma unroll
+            for (int n = 0; n < NO; n += 2) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, v_tile + swz<HD>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), n + (lane >> 4)));
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][n], a[mt], b[0], b[1]);
+                    mma_bf16(o[mt][n + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // this buffer is the target of the prefetch two iterations on
+    }
+
+    // Normalise and store the rows that belong to the segment.
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_run[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.f / l;
+            const int q = q0 + warp * 32 + mt * 16 + g + 8 * r;
+            if (q < seg_len) {
+                bf16* dst = out + (long long)(seg_start + q) * h + head * HD + 2 * t;
+                #pragma unroll
+                for (int n = 0; n < NO; ++n)
+                    *reinterpret_cast<unsigned*>(dst + n * 8) = pack_bf16(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
+            }
+        }
+}
+
+}  // namespace
+
+// Dynamic shared memory: (BM + 4 * BN) * HD * 2 bytes = 48 KiB for HD 64.
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+flash_attention_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, const int4* __restrict__ tiles,
+                     int heads, float scale_log2) {
+    flash_attention<64>(qkv, out, tiles, heads, scale_log2);
+}

@@ -1,0 +1,23 @@
+"""glmvit-cupy: the GLM-5.3-Flash vision tower (`Glm5NextVisionModel`) without a framework.
+
+Layout, one concern a module:
+  geometry    GlmVitGeometry, read from config.json and validated once
+  checkpoint  binding the tower's BF16 tensors (and only those) out of safetensors shards
+  synthetic   writing real-layout checkpoints with random weights (tests, benchmarks, demos)
+  preprocess  images -> pixel_values, grid_thw (transformers' Glm5NextImageProcessorPil)
+  layout      positions, attention segments, RoPE frequencies (shared by both backends)
+  reference   the float32 NumPy forward: the readable statement of the math
+  engine      the CuPy forward: cuBLAS BF16 GEMMs + the kernels in cuda_src/
+  scratch     GlmVitScratch, the engine's preallocated device buffers
+  kernels     loading cuda_src/*.cu as CuPy RawModules
+  cublas      the cuBLAS GEMM wrapper (graph-capturable)
+  model       GlmVit: from_pretrained / forward / encode over either backend
+"""
+
+from .errors import GlmVitError
+from .geometry import GlmVitGeometry, load_geometry
+from .model import GlmVit, GlmVitOutput
+from .preprocess import preprocess
+
+__all__ = ["GlmVit", "GlmVitError", "GlmVitGeometry", "GlmVitOutput", "load_geometry", "preprocess"]
+__version__ = "0.1.0"

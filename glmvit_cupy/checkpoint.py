@@ -1,0 +1,373 @@
+"""Bind the vision tower's 347 BF16 tensors out of a safetensors checkpoint, reading nothing else.
+
+A full GLM-5.3-Flash checkpoint is hundreds of GB, almost all of it the text/MoE stack
+(NVFP4 U8-packed weights and F8_E4M3 scales in the quantised export). The tower is 1.05 GiB
+of BF16 under one of three prefixes. So binding is two steps:
+
+1. `locate_tower` reads config.json, the shard index and the JSON headers of the shards
+   that hold tower tensors (never a byte of tensor data), probes the prefix, takes the
+   census (depth x 14 + 11 names, missing and unexpected ones listed) and checks every
+   tower tensor's dtype (BF16 only; anything else is refused by name, never reinterpreted)
+   and its shape flattened to the `[rows, cols]` the engines read it as.
+2. `read_tower` preads exactly those byte ranges into one host arena of raw 16-bit patterns.
+
+The header is parsed here rather than through the `safetensors` package: its numpy backend
+cannot hand out BF16 (numpy has no bfloat16) and it does not expose the byte offsets that
+reading only the tower needs. The format is 8 bytes of little-endian header length, a JSON
+header of `{name: {dtype, shape, data_offsets}}`, then the data.
+
+The arena's order is chosen for the GPU: each block's gate and up projections (weights, and
+biases) are adjacent, so the engine runs them as ONE GEMM against a `[2 x intermediate, h]`
+view, and the whole arena goes to the device in one copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any, Callable, Generic, TypeVar
+
+import numpy as np
+
+from .errors import GlmVitError
+from .geometry import GlmVitGeometry, load_geometry
+
+TOWER_PREFIXES = ("model.visual", "model.language_model.visual", "visual")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# Per block, in arena order: gate/up weights adjacent, then gate/up biases adjacent.
+BLOCK_TENSORS = (
+    "norm1.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.q_norm.weight",
+    "attn.k_norm.weight", "attn.proj.weight", "attn.proj.bias", "norm2.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias",
+    "mlp.down_proj.weight", "mlp.down_proj.bias",
+)
+NON_BLOCK_TENSORS = (
+    "patch_embed.proj.weight", "patch_embed.proj.bias", "post_layernorm.weight",
+    "downsample.weight", "downsample.bias", "merger.proj.weight",
+    # The only mean-subtracting, biased norm in the tower: its bias is what tells it apart.
+    "merger.post_projection_norm.weight", "merger.post_projection_norm.bias",
+    "merger.gate_proj.weight", "merger.up_proj.weight", "merger.down_proj.weight",
+)
+# Names stored back to back in the arena (no alignment padding between them).
+FUSED_PAIRS = {"mlp.gate_proj.weight": "mlp.up_proj.weight",
+               "mlp.gate_proj.bias": "mlp.up_proj.bias",
+               "merger.gate_proj.weight": "merger.up_proj.weight"}
+ARENA_ALIGN = 256  # bytes; cuBLAS and the 16-byte vector loads want aligned operands
+
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "F8_E4M3": 1,
+                "F8_E5M2": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
+                "BOOL": 1, "F8_E8M0": 1, "F4": 1}
+
+
+def tower_shapes(geo: GlmVitGeometry) -> dict[str, tuple[int, ...]]:
+    """Every tower tensor's short name -> the shape the engines read it as (flattened 2-D)."""
+    h, i, o, pi, hd = (geo.hidden_size, geo.intermediate_size, geo.out_hidden_size,
+                       geo.projection_intermediate_size, geo.head_dim)
+    block = {
+        "norm1.weight": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
+        "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,),
+        "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "norm2.weight": (h,),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+        "mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,),
+        "mlp.down_proj.weight": (h, i), "mlp.down_proj.bias": (h,),
+    }
+    shapes = {f"blocks.{b}.{name}": block[name] for b in range(geo.depth) for name in BLOCK_TENSORS}
+    shapes.update({
+        # Conv3d (h, C, T, p, p): kernel == stride == the patch, so one GEMM over (c, t, py, px).
+        "patch_embed.proj.weight": (h, geo.patch_dim), "patch_embed.proj.bias": (h,),
+        "post_layernorm.weight": (h,),
+        # Conv2d (out, h, 2, 2) read in (channel, kh, kw) order against the 2x2 im2col.
+        "downsample.weight": (o, h * geo.merge_unit), "downsample.bias": (o,),
+        "merger.proj.weight": (o, o),
+        "merger.post_projection_norm.weight": (o,), "merger.post_projection_norm.bias": (o,),
+        "merger.gate_proj.weight": (pi, o), "merger.up_proj.weight": (pi, o),
+        "merger.down_proj.weight": (o, pi),
+    })
+    assert len(shapes) == geo.tensor_count
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    shard: Path
+    offset: int  # absolute byte offset in the shard
+    nbytes: int
+    shape: tuple[int, ...]  # as read (flattened), not as stored
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerLocation:
+    """What `locate_tower` found: where each tower tensor's bytes are. No data read yet."""
+
+    directory: Path
+    geometry: GlmVitGeometry
+    prefix: str
+    entries: dict[str, TensorEntry]  # short name (no prefix) -> entry, in arena order
+
+    @property
+    def shards(self) -> list[Path]:
+        return sorted({e.shard for e in self.entries.values()})
+
+    @property
+    def tower_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerWeights:
+    """The tower's raw BF16 bit patterns: one uint16 arena and named views into it."""
+
+    location: TowerLocation
+    arena: np.ndarray  # uint16, all tensors, ARENA_ALIGN-aligned groups
+    offsets: dict[str, int]  # short name -> element offset in the arena
+    bytes_read: int
+
+    def raw(self, name: str) -> np.ndarray:
+        """The BF16 bits of one tensor as uint16, in its read shape (a view, no copy)."""
+        shape = self.location.entries[name].shape
+        start = self.offsets[name]
+        return self.arena[start:start + math.prod(shape)].reshape(shape)
+
+    def fused(self, first: str, second: str) -> np.ndarray:
+        """A FUSED_PAIRS pair as one tensor (first's rows, then second's): a view, no copy."""
+        a, b = self.raw(first), self.raw(second)
+        start = self.offsets[first]
+        assert self.offsets[second] == start + a.size, f"{second} does not follow {first}"
+        return self.arena[start:start + a.size + b.size].reshape((a.shape[0] + b.shape[0],) + a.shape[1:])
+
+
+def _read_header(shard: Path) -> tuple[dict, int, int]:
+    """(header dict, absolute offset of the data section, file size) of one shard."""
+    try:
+        size = shard.stat().st_size
+        with open(shard, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise GlmVitError(f"{shard}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 << 20):
+                raise GlmVitError(f"{shard}: corrupt safetensors header (claims {n} bytes in a "
+                                  f"{size}-byte file)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise GlmVitError(f"{shard}: shard listed in the checkpoint is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GlmVitError(f"{shard}: cannot read safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise GlmVitError(f"{shard}: corrupt safetensors header (not a JSON object)")
+    return header, 8 + n, size
+
+
+def _tensor_names(directory: Path) -> dict[str, Path]:
+    """Every tensor name in the checkpoint -> its shard, from the index or the single file."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise GlmVitError(f"{index}: cannot read the shard index: {exc!r}") from None
+        return {name: directory / shard for name, shard in weight_map.items()}
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        header, _, _ = _read_header(single)
+        return {name: single for name in header if name != "__metadata__"}
+    raise GlmVitError(f"{directory}: no safetensors checkpoint (expected {INDEX_FILE} or {SINGLE_FILE})")
+
+
+def _probe_prefix(names: dict[str, Path], directory: Path) -> str:
+    for prefix in TOWER_PREFIXES:
+        if f"{prefix}.patch_embed.proj.weight" in names:
+            return prefix
+    raise GlmVitError(
+        f"{directory}: no vision tower in the checkpoint (no *.patch_embed.proj.weight under "
+        f"{', '.join(TOWER_PREFIXES)}): a text-only export cannot encode images")
+
+
+def _census(names: dict[str, Path], prefix: str, expected: dict[str, tuple[int, ...]],
+            directory: Path) -> None:
+    present = {n[len(prefix) + 1:] for n in names if n.startswith(prefix + ".")}
+    missing = [n for n in expected if n not in present]
+    unexpected = sorted(present - expected.keys())
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({', '.join(prefix + '.' + n for n in missing[:4])}"
+                         f"{', ...' if len(missing) > 4 else ''})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({', '.join(prefix + '.' + n for n in unexpected[:4])}"
+                         f"{', ...' if len(unexpected) > 4 else ''})")
+        raise GlmVitError(
+            f"{directory}: tower census failed: config.json's geometry needs {len(expected)} tensors "
+            f"under {prefix}, found {len(present)}: {'; '.join(parts)}")
+
+
+def locate_tower(model_dir: str | Path, max_pixels: int | None = None) -> TowerLocation:
+    """Geometry, prefix, census, dtype and shape checks, from headers alone."""
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        raise GlmVitError(f"{directory}: not a directory")
+    geo = load_geometry(directory).with_max_pixels(max_pixels)
+    names = _tensor_names(directory)
+    prefix = _probe_prefix(names, directory)
+    expected = tower_shapes(geo)
+    _census(names, prefix, expected, directory)
+
+    headers: dict[Path, tuple[dict, int, int]] = {}
+    entries: dict[str, TensorEntry] = {}
+    for short, want in expected.items():
+        name = f"{prefix}.{short}"
+        shard = names[name]
+        if shard not in headers:
+            headers[shard] = _read_header(shard)
+        header, data_start, size = headers[shard]
+        meta = header.get(name)
+        if not isinstance(meta, dict):
+            raise GlmVitError(f"{shard}: the index places {name} in this shard, but its header lacks it")
+        dtype, shape = meta.get("dtype"), list(meta.get("shape", []))
+        if dtype != "BF16":
+            raise GlmVitError(
+                f"{shard}: {name} is {dtype}, expected BF16: the GLM-5.3 tower is BF16 throughout "
+                "(347/347 tensors in the released exports); a quantised tower needs a dequant path, "
+                "not a reinterpretation of its bytes")
+        rows = shape[0] if shape else 0
+        cols = math.prod(shape[1:])
+        if (len(want) == 1 and shape != list(want)) or (len(want) == 2 and (rows, cols) != want):
+            raise GlmVitError(
+                f"{shard}: {name} has shape {shape}, which flattens to [{rows}, {cols}]; config.json's "
+                f"geometry expects {list(want)}")
+        begin, end = meta.get("data_offsets", (0, -1))
+        nbytes = 2 * math.prod(want)
+        if end - begin != nbytes or data_start + end > size:
+            raise GlmVitError(
+                f"{shard}: {name} occupies bytes [{begin}, {end}) of a data section of "
+                f"{size - data_start} bytes, but needs {nbytes}: the shard is truncated or corrupt")
+        entries[short] = TensorEntry(shard, data_start + begin, nbytes, want)
+    return TowerLocation(directory, geo, prefix, entries)
+
+
+def _arena_layout(location: TowerLocation) -> tuple[dict[str, int], int]:
+    """Element offset of each tensor in the arena; FUSED_PAIRS partners follow with no gap."""
+    offsets: dict[str, int] = {}
+    cursor = 0  # bytes
+    follows_partner = set(FUSED_PAIRS.values())
+    for name, entry in location.entries.items():
+        if name.split(".", 2)[-1] not in follows_partner and name not in follows_partner:
+            cursor = -(-cursor // ARENA_ALIGN) * ARENA_ALIGN
+        offsets[name] = cursor // 2
+        cursor += entry.nbytes
+    return offsets, cursor
+
+
+def read_tower(location: TowerLocation) -> TowerWeights:
+    """pread exactly the tower's byte ranges into one uint16 arena."""
+    offsets, total = _arena_layout(location)
+    arena = np.empty(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2, dtype=np.uint16)
+    as_bytes = memoryview(arena).cast("B")
+    bytes_read = 0
+    for shard in location.shards:
+        try:
+            fd = os.open(shard, os.O_RDONLY)
+        except OSError as exc:
+            raise GlmVitError(f"{shard}: cannot open shard: {exc.strerror}") from None
+        try:
+            for name, entry in location.entries.items():
+                if entry.shard != shard:
+                    continue
+                dst = as_bytes[offsets[name] * 2: offsets[name] * 2 + entry.nbytes]
+                done = 0
+                while done < entry.nbytes:
+                    n = os.preadv(fd, [dst[done:]], entry.offset + done)
+                    if n <= 0:
+                        raise GlmVitError(f"{shard}: {location.prefix}.{name} ends early (shard truncated "
+                                          f"after {entry.offset + done} bytes)")
+                    done += n
+                bytes_read += done
+        except OSError as exc:
+            raise GlmVitError(f"{shard}: read failed: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+    return TowerWeights(location, arena, offsets, bytes_read)
+
+
+def bind_checkpoint(model_dir: str | Path, max_pixels: int | None = None) -> TowerWeights:
+    """locate + read: the tower's weights, ready for either backend."""
+    return read_tower(locate_tower(model_dir, max_pixels))
+
+
+A = TypeVar("A")
+
+
+@dataclasses.dataclass(frozen=True)
+class GlmVitBlock(Generic[A]):
+    """One ViT block's weights, as the backend holds them (NumPy float32 or device BF16)."""
+
+    norm1_w: A
+    qkv_w: A  # [3h, h]
+    qkv_b: A
+    # Per-head RMSNorm on Q and K, [head_dim]: after the QKV split, BEFORE the rotary.
+    q_norm_w: A
+    k_norm_w: A
+    proj_w: A
+    proj_b: A
+    norm2_w: A
+    gate_up_w: A  # [2 x intermediate, h]: gate rows, then up rows (one GEMM)
+    gate_up_b: A
+    down_w: A
+    down_b: A
+
+
+@dataclasses.dataclass(frozen=True)
+class GlmVitMerger(Generic[A]):
+    """Everything after the last block: post-norm, 2x2 conv downsample, the merger MLP."""
+
+    post_layernorm_w: A
+    downsample_w: A  # [out, 4h], (channel, kh, kw) order: the im2col is a plain reshape
+    downsample_b: A
+    proj_w: A
+    norm_w: A  # LayerNorm (mean-subtracting, biased), unlike every other norm here
+    norm_b: A
+    gate_up_w: A  # [2 x projection_intermediate, out]
+    down_w: A
+
+
+@dataclasses.dataclass(frozen=True)
+class GlmVitTensors(Generic[A]):
+    patch_embed_w: A  # [h, patch_dim]
+    patch_embed_b: A
+    blocks: list[GlmVitBlock[A]]
+    merger: GlmVitMerger[A]
+
+
+def structure(weights: TowerWeights, convert: Callable[[np.ndarray], Any]) -> GlmVitTensors:
+    """Arrange the raw tensors as blocks + merger; `convert` turns each raw view into the
+    backend's array (widened float32 for NumPy, a device view of the uploaded arena for CuPy)."""
+    def t(name: str) -> Any:
+        return convert(weights.raw(name))
+
+    def pair(first: str, second: str) -> Any:
+        return convert(weights.fused(first, second))
+
+    blocks = []
+    for i in range(weights.location.geometry.depth):
+        b = f"blocks.{i}."
+        blocks.append(GlmVitBlock(
+            norm1_w=t(b + "norm1.weight"), qkv_w=t(b + "attn.qkv.weight"), qkv_b=t(b + "attn.qkv.bias"),
+            q_norm_w=t(b + "attn.q_norm.weight"), k_norm_w=t(b + "attn.k_norm.weight"),
+            proj_w=t(b + "attn.proj.weight"), proj_b=t(b + "attn.proj.bias"),
+            norm2_w=t(b + "norm2.weight"),
+            gate_up_w=pair(b + "mlp.gate_proj.weight", b + "mlp.up_proj.weight"),
+            gate_up_b=pair(b + "mlp.gate_proj.bias", b + "mlp.up_proj.bias"),
+            down_w=t(b + "mlp.down_proj.weight"), down_b=t(b + "mlp.down_proj.bias")))
+    merger = GlmVitMerger(
+        post_layernorm_w=t("post_layernorm.weight"), downsample_w=t("downsample.weight"),
+        downsample_b=t("downsample.bias"), proj_w=t("merger.proj.weight"),
+        norm_w=t("merger.post_projection_norm.weight"), norm_b=t("merger.post_projection_norm.bias"),
+        gate_up_w=pair("merger.gate_proj.weight", "merger.up_proj.weight"),
+        down_w=t("merger.down_proj.weight"))
+    return GlmVitTensors(t("patch_embed.proj.weight"), t("patch_embed.proj.bias"), blocks, merger)

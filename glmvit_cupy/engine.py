@@ -1,0 +1,203 @@
+"""The GPU engine: the tower's forward as cuBLAS BF16 GEMMs and the kernels in cuda_src/.
+
+It computes what `reference.py` states, step for step and under the same names; the
+differences are where the data lives and how it is rounded:
+- Weights are the checkpoint's BF16 bits, uploaded once as one arena (no float32 copy of
+  the tower on the device). GEMM operands are BF16, accumulation FP32.
+- The residual stream stays float32. The attention proj and MLP down GEMMs accumulate into
+  it directly (beta = 1), so their biases are added by the next norm kernel, which reads the
+  row anyway ("pending bias"); the qkv and gate|up biases are added by the kernels that
+  consume those products.
+- Attention is the fused flash kernel (default) or the seed's materialised path
+  (attention="naive": f32 score GEMM, softmax_rows, PV GEMM) kept as the cross-check.
+- Memory is the preallocated `GlmVitScratch`, allocated on the first image.
+- A shape seen a second time is captured as a CUDA graph and replayed from then on (a launch
+  from Python costs ~9 us, a replayed node ~1 us; 24 blocks are ~250 launches). The first
+  image of a shape runs eagerly, so it never waits on a capture.
+Everything runs on the engine's own stream; `forward` returns once the outputs are ready.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import cupy
+import numpy as np
+
+from .checkpoint import GlmVitTensors, TowerWeights, structure
+from .cublas import Cublas
+from .errors import GlmVitError
+from .kernels import FLASH_BM, FLASH_HEAD_DIMS, Kernels
+from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
+from .reference import LAYERNORM_EPS
+from .scratch import GlmVitScratch, scratch_plan
+
+ATTENTION = ("auto", "flash", "naive")
+MAX_GRAPHS = 16  # captured shapes kept (each is a few hundred nodes and no memory of its own)
+
+
+def flash_work_list(segments: np.ndarray) -> np.ndarray:
+    """One int4 {segment start, length, first query, 0} per 128-query tile of each segment."""
+    rows = [(start, length, q0, 0) for start, length in segments.tolist() for q0 in range(0, length, FLASH_BM)]
+    return np.array(rows, dtype=np.int32)
+
+
+class CupyTower:
+    """The tower on one CUDA device."""
+
+    def __init__(self, weights: TowerWeights, attention: str = "auto") -> None:
+        geo = self.geo = weights.location.geometry
+        for name in ("hidden_size", "intermediate_size", "out_hidden_size", "projection_intermediate_size",
+                     "patch_dim"):
+            if getattr(geo, name) % 8:
+                raise GlmVitError(f"cupy backend: {name} {getattr(geo, name)} must be a multiple of 8 "
+                                  "(16-byte aligned GEMM rows and vector loads); use backend='numpy'")
+        if attention not in ATTENTION:
+            raise GlmVitError(f"attention {attention!r}: expected one of {', '.join(ATTENTION)}")
+        if attention == "auto":
+            attention = "flash" if geo.head_dim in FLASH_HEAD_DIMS else "naive"
+        if attention == "flash" and geo.head_dim not in FLASH_HEAD_DIMS:
+            raise GlmVitError(f"flash attention is compiled for head_dim {FLASH_HEAD_DIMS}, this tower has "
+                              f"{geo.head_dim}: use attention='naive'")
+        self.attention_kind = attention
+        self.plan = scratch_plan(geo)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.arena = cupy.asarray(weights.arena)  # the whole tower, one host-to-device copy
+            self.inv_freq = cupy.asarray(rope_inv_freq(geo))
+        base = weights.arena.ctypes.data
+
+        def on_device(raw: np.ndarray) -> cupy.ndarray:
+            start = (raw.ctypes.data - base) // 2
+            return self.arena[start:start + raw.size].reshape(raw.shape)
+
+        self.w: GlmVitTensors[cupy.ndarray] = structure(weights, on_device)
+        self.k = Kernels()
+        self.blas = Cublas(self.stream)
+        self.scratch: GlmVitScratch | None = None
+        self.graphs: OrderedDict[bytes, cupy.cuda.graph.Graph] = OrderedDict()
+        self.seen: set[bytes] = set()
+        self.stream.synchronize()
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device bytes of the scratch for p_max patches (allocated or not yet)."""
+        return self.plan.total_bytes + (self.plan.naive_bytes if self.attention_kind == "naive" else 0)
+
+    def _scratch(self) -> GlmVitScratch:
+        if self.scratch is None:
+            with self.stream:
+                self.scratch = GlmVitScratch(self.geo, self.plan, naive=self.attention_kind == "naive")
+            self.blas.set_workspace(self.scratch.workspace)
+        return self.scratch
+
+    # ---- the forward: host bookkeeping, then one flat sequence of launches -------------
+
+    def forward(self, pixel_values, grid_thw: np.ndarray, marks: Callable[[str], None] | None = None):
+        geo = self.geo
+        p = num_patches(grid_thw)
+        if p > geo.p_max:
+            need = p * geo.patch_size ** 2
+            raise GlmVitError(
+                f"{p} patches exceed this engine's p_max of {geo.p_max} (max_pixels {geo.p_max * geo.patch_size ** 2}); "
+                f"raise it to at least {need} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
+        s = self._scratch()
+        segments = frame_segments(grid_thw)
+        tiles = flash_work_list(segments)
+        positions = block_major_positions(grid_thw, geo.spatial_merge_size)
+        m = p // geo.merge_unit
+        caller = cupy.cuda.get_current_stream()
+        with self.stream:
+            self.stream.wait_event(caller.record())
+            pixels = cupy.ascontiguousarray(cupy.asarray(pixel_values, dtype=cupy.float32))
+            # Outside any graph: the input array and the per-call tables change between calls.
+            self.k.f32_to_bf16(pixels, s.pixels[:p])
+            s.positions[:p].set(positions, stream=self.stream)
+            s.tiles[:len(tiles)].set(tiles, stream=self.stream)
+            key = grid_thw.tobytes()
+            if marks is not None:  # stage timing: always eager
+                self._body(p, segments, len(tiles), marks)
+            elif key in self.graphs:
+                self.graphs.move_to_end(key)
+                self.graphs[key].launch(self.stream)
+            elif key in self.seen:
+                self.stream.begin_capture()
+                self._body(p, segments, len(tiles), None)
+                graph = self.graphs[key] = self.stream.end_capture()
+                if len(self.graphs) > MAX_GRAPHS:
+                    self.graphs.popitem(last=False)
+                graph.launch(self.stream)
+            else:
+                self.seen.add(key)
+                self._body(p, segments, len(tiles), None)
+            last_hidden, pooler = s.last_hidden[:m].copy(), s.pooler[:m].copy()
+        self.stream.synchronize()
+        return last_hidden, pooler
+
+    def _body(self, p: int, segments: np.ndarray, n_tiles: int, marks) -> None:
+        """Steps 1-8 of SPEC.md's forward pass: no allocation, no host sync (graph-capturable)."""
+        geo, s, k, blas, w = self.geo, self.scratch, self.k, self.blas, self.w
+        mark = marks or (lambda stage: None)
+        eps = geo.rms_norm_eps
+        resid, normed, qkv = s.resid[:p], s.normed[:p], s.qkv[:p]
+        cos, sin = s.rope_cos[:p], s.rope_sin[:p]
+
+        k.rope_tables(s.positions[:p], self.inv_freq, cos, sin)  # step 4's angles
+        blas.linear(resid, s.pixels[:p], w.patch_embed_w)  # step 1 (its bias is pending)
+        pending = w.patch_embed_b
+        mark("patch_embed")
+        for blk in w.blocks:  # step 5
+            k.rmsnorm_bias(resid, pending, blk.norm1_w, normed, eps)
+            blas.linear(qkv, normed, blk.qkv_w)
+            k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
+            self._attention(qkv, normed, segments, n_tiles)  # attention output -> normed
+            blas.linear(resid, normed, blk.proj_w, accumulate=True)
+            mark("attention")
+            k.rmsnorm_bias(resid, blk.proj_b, blk.norm2_w, normed, eps)
+            self._mlp(normed, resid, blk.gate_up_w, blk.gate_up_b, blk.down_w, s.mlp, accumulate=True)
+            pending = blk.down_b
+            mark("mlp")
+        self._merger(p, pending)
+        mark("merger")
+
+    def _attention(self, qkv: cupy.ndarray, out: cupy.ndarray, segments: np.ndarray, n_tiles: int) -> None:
+        geo, s = self.geo, self.scratch
+        if self.attention_kind == "flash":
+            self.k.flash_attention(qkv, out, s.tiles, n_tiles, geo.num_heads, geo.head_dim)
+            return
+        h, hd = geo.hidden_size, geo.head_dim
+        for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time
+            scores = s.scores[:length * length].reshape(length, length)
+            probs = s.probs[:length * length].reshape(length, length)
+            rows = qkv[start:start + length]
+            for head in range(geo.num_heads):
+                q = rows[:, head * hd:(head + 1) * hd]
+                kk = rows[:, h + head * hd:h + (head + 1) * hd]
+                v = rows[:, 2 * h + head * hd:2 * h + (head + 1) * hd]
+                self.blas.linear(scores, q, kk)  # f32 scores, unscaled
+                self.k.softmax_rows(scores, probs, hd ** -0.5)
+                self.blas.matmul(out[start:start + length, head * hd:(head + 1) * hd], probs, v)
+
+    def _mlp(self, x: cupy.ndarray, out: cupy.ndarray, gate_up_w, gate_up_b, down_w, buf: cupy.ndarray,
+             accumulate: bool) -> None:
+        """out (+)= down(swiglu_clamp(x . gate_up^T + b)), in chunks of buf's rows."""
+        inter = gate_up_w.shape[0] // 2
+        for r0 in range(0, x.shape[0], buf.shape[0]):
+            rows = min(buf.shape[0], x.shape[0] - r0)
+            gate_up = buf[:rows]
+            self.blas.linear(gate_up, x[r0:r0 + rows], gate_up_w)
+            self.k.swiglu_clamp(gate_up, gate_up_b, self.geo.swiglu_limit)
+            self.blas.linear(out[r0:r0 + rows], gate_up[:, :inter], down_w, accumulate=accumulate)
+
+    def _merger(self, p: int, pending) -> None:
+        geo, s, k, blas, mw = self.geo, self.scratch, self.k, self.blas, self.w.merger
+        m = p // geo.merge_unit
+        k.rmsnorm_bias(s.resid[:p], pending, mw.post_layernorm_w, s.normed[:p], geo.rms_norm_eps)  # step 6
+        k.im2col_2x2(s.normed[:p], s.merge_a[:m])  # step 7
+        blas.linear(s.last_hidden[:m], s.merge_a[:m], mw.downsample_w)
+        k.bias_to_bf16(s.last_hidden[:m], mw.downsample_b, s.last_hidden_bf16[:m])
+        blas.linear(s.pooler[:m], s.last_hidden_bf16[:m], mw.proj_w)  # step 8
+        k.layernorm_gelu(s.pooler[:m], mw.norm_w, mw.norm_b, s.merge_y[:m], LAYERNORM_EPS)
+        # pooler still holds the proj output, consumed by layernorm_gelu: overwrite it
+        self._mlp(s.merge_y[:m], s.pooler[:m], mw.gate_up_w, None, mw.down_w, s.merge_mlp, accumulate=False)

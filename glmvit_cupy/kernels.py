@@ -1,0 +1,120 @@
+"""Load `cuda_src/*.cu` as CuPy RawModules and launch their kernels with explicit geometry.
+
+One loader for every file (httomolibgpu's pattern): the source is read from the package
+data (or the repository checkout), `#include "common.cuh"` is pasted in place so CuPy's
+on-disk compile cache keys on the full text, and a `#line` directive makes compiler errors
+point into the right file. NVRTC compiles for the current device's architecture. Every
+module is built once per process, at load (`Kernels()`), so the first image never waits on
+a compile; later processes hit CuPy's cache.
+
+Each launcher states its grid, block and shared memory and takes CuPy arrays whose shapes
+the engine guarantees; the kernels' own files say why they are shaped the way they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+HEADER = "common.cuh"
+FLASH_HEAD_DIMS = (64,)  # head dims flash_attention.cu is instantiated for
+FLASH_BM, FLASH_BN = 128, 64  # its query and key tile sizes
+
+
+def cuda_source_dir() -> Path:
+    """The installed package data, else the repository's top-level cuda_src/."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+        if (candidate / HEADER).is_file():
+            return candidate
+    raise FileNotFoundError(f"cuda_src/ not found beside {here}: the package is installed without its kernels")
+
+
+def cuda_sources() -> list[Path]:
+    return sorted(cuda_source_dir().glob("*.cu"))
+
+
+def load_source(path: Path) -> str:
+    header = path.parent / HEADER
+    text = path.read_text()
+    pasted = f'#line 1 "{header}"\n{header.read_text()}\n#line 1 "{path}"\n'
+    return f'#line 1 "{path}"\n' + text.replace(f'#include "{HEADER}"', pasted, 1)
+
+
+def _module(name: str) -> cupy.RawModule:
+    return cupy.RawModule(code=load_source(cuda_source_dir() / f"{name}.cu"), options=("--std=c++17",))
+
+
+def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
+    return (max(1, min(cap, -(-n // block))),)
+
+
+class Kernels:
+    """Every kernel the engine launches, compiled at construction."""
+
+    def __init__(self) -> None:
+        mods = {name: _module(name) for name in
+                ("convert", "norms", "rope", "mlp", "merge", "softmax", "flash_attention")}
+        f = {name: mods[mod].get_function(name) for mod, names in {
+            "convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
+            "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
+            "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
+            "flash_attention": ("flash_attention_hd64",)}.items() for name in names}
+        self._f = f
+
+    def f32_to_bf16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
+        n4 = src.size // 4
+        self._f["f32_to_bf16"](_grid(n4, 256), (256,), (src, dst, np.int64(n4)))
+
+    def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray | None, w: cupy.ndarray,
+                     out: cupy.ndarray, eps: float) -> None:
+        rows, n = x.shape
+        self._f["rmsnorm_bias"]((rows,), (256,), (x, bias if bias is not None else np.uint64(0), w, out,
+                                                  np.int32(n), np.float32(eps)))
+
+    def layernorm_gelu(self, x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
+                       eps: float) -> None:
+        rows, n = x.shape
+        self._f["layernorm_gelu"]((rows,), (256,), (x, w, b, out, np.int32(n), np.float32(eps)))
+
+    def rope_tables(self, pos: cupy.ndarray, inv_freq: cupy.ndarray, cos: cupy.ndarray,
+                    sin: cupy.ndarray) -> None:
+        p, quarter = pos.shape[0], inv_freq.size
+        self._f["rope_tables"](_grid(p * quarter, 256, 1 << 30), (256,),
+                               (pos, inv_freq, cos, sin, np.int32(p), np.int32(quarter)))
+
+    def qknorm_rope(self, qkv: cupy.ndarray, bias: cupy.ndarray, q_w: cupy.ndarray, k_w: cupy.ndarray,
+                    cos: cupy.ndarray, sin: cupy.ndarray, heads: int, eps: float) -> None:
+        p, hd = qkv.shape[0], q_w.size
+        self._f["qknorm_rope"](_grid(p * heads * 32, 256, 1 << 30), (256,),
+                               (qkv, bias, q_w, k_w, cos, sin, np.int32(p), np.int32(heads), np.int32(hd),
+                                np.float32(eps)), shared_mem=8 * hd * 4)
+
+    def swiglu_clamp(self, gate_up: cupy.ndarray, bias: cupy.ndarray | None, limit: float) -> None:
+        rows, width = gate_up.shape
+        inter = width // 2
+        self._f["swiglu_clamp"](_grid(rows * inter // 8, 256), (256,),
+                                (gate_up, bias if bias is not None else np.uint64(0), np.int64(rows),
+                                 np.int32(inter), np.float32(limit)))
+
+    def im2col_2x2(self, x: cupy.ndarray, out: cupy.ndarray) -> None:
+        rows, n = x.shape
+        self._f["im2col_2x2"](_grid(rows // 4 * n, 256), (256,), (x, out, np.int64(rows // 4), np.int32(n)))
+
+    def bias_to_bf16(self, x: cupy.ndarray, bias: cupy.ndarray, out: cupy.ndarray) -> None:
+        n4 = x.size // 4
+        self._f["bias_to_bf16"](_grid(n4, 256), (256,), (x, bias, out, np.int64(n4), np.int32(x.shape[1])))
+
+    def softmax_rows(self, scores: cupy.ndarray, probs: cupy.ndarray, scale: float) -> None:
+        rows, n = scores.shape
+        self._f["softmax_rows"]((rows,), (256,), (scores, probs, np.int32(n), np.float32(scale)))
+
+    def flash_attention(self, qkv: cupy.ndarray, out: cupy.ndarray, tiles: cupy.ndarray, n_tiles: int,
+                        heads: int, head_dim: int) -> None:
+        scale_log2 = head_dim ** -0.5 * float(np.log2(np.e))
+        smem = (FLASH_BM + 4 * FLASH_BN) * head_dim * 2
+        self._f[f"flash_attention_hd{head_dim}"]((n_tiles, heads), (128,),
+                                                 (qkv, out, tiles, np.int32(heads), np.float32(scale_log2)),
+                                                 shared_mem=smem)

@@ -1,0 +1,135 @@
+"""`GlmVit`: the library API over either backend.
+
+    vit = GlmVit.from_pretrained("ckpt/", backend="auto")
+    out = vit.forward(pixel_values, grid_thw)      # .last_hidden_state, .pooler_output
+    per_image = vit.encode(["a.png", "b.jpg"])     # preprocessing + forward, one result each
+
+`backend="numpy"` runs the float32 reference (`reference.py`) on the CPU; `"cupy"` runs the
+GPU engine (`engine.py`); `"auto"` takes the GPU when CuPy sees one. Outputs are float32
+arrays of the backend (NumPy or CuPy). CuPy is imported only when the GPU is asked for or
+probed, so the package and the whole CPU path work without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .checkpoint import bind_checkpoint
+from .errors import GlmVitError
+from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry
+from .layout import check_grid, merged_offsets, num_patches
+from .preprocess import ImageLike, preprocess
+
+BACKENDS = ("auto", "numpy", "cupy")
+
+
+@dataclasses.dataclass(frozen=True)
+class GlmVitOutput:
+    """`last_hidden_state` (after the downsample) and `pooler_output` (after the merger), both
+    float32 [merged tokens, out_hidden]; `grid_thw` [images, 3]; `offsets` [images + 1] into
+    the merged-token rows."""
+
+    last_hidden_state: Any
+    pooler_output: Any
+    grid_thw: np.ndarray
+    offsets: np.ndarray
+
+    def split(self) -> list[GlmVitOutput]:
+        """One output per image (views of these arrays)."""
+        parts = []
+        for i in range(len(self.grid_thw)):
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            parts.append(GlmVitOutput(self.last_hidden_state[a:b], self.pooler_output[a:b],
+                                      self.grid_thw[i:i + 1], np.array([0, b - a])))
+        return parts
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(True, device name) when CuPy imports and sees a CUDA device, else (False, why not)."""
+    try:
+        import cupy
+    except ImportError:
+        return False, "CuPy is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return False, "no CUDA device"
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        return True, props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    except Exception as exc:  # driver missing or broken: CuPy raises its own error types
+        return False, f"no usable CUDA device ({type(exc).__name__})"
+
+
+class GlmVit:
+    """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend."""
+
+    def __init__(self, tower: Any, backend: str, backend_note: str) -> None:
+        self.tower = tower
+        self.backend = backend
+        self.backend_note = backend_note  # why this backend (for the CLI's one-line notice)
+        self.geometry: GlmVitGeometry = tower.geo
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
+                        attention: str = "flash") -> GlmVit:
+        """Bind the tower in `path`. `max_pixels` is the pixel budget of one forward call (all
+        images together) and sizes the GPU scratch; `attention` ("flash" or "naive", the
+        materialised-score cross-check) applies to the GPU engine."""
+        if backend not in BACKENDS:
+            raise GlmVitError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        note = ""
+        if backend == "auto":
+            ok, why = gpu_available()
+            backend = "cupy" if ok else "numpy"
+            note = f"using the GPU ({why})" if ok else f"{why}: running the NumPy backend on the CPU (slow)"
+        weights = bind_checkpoint(path, max_pixels)
+        if backend == "numpy":
+            from .reference import NumpyTower
+            return cls(NumpyTower(weights), "numpy", note)
+        ok, why = gpu_available()
+        if not ok:
+            raise GlmVitError(f"backend 'cupy': {why}")
+        from .engine import CupyTower
+        return cls(CupyTower(weights, attention=attention), "cupy", note)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device bytes the scratch takes for p_max patches (0 on the NumPy backend)."""
+        return getattr(self.tower, "scratch_bytes", 0)
+
+    def forward(self, pixel_values: Any, grid_thw: Any) -> GlmVitOutput:
+        """pixel_values [P, patch_dim] (NumPy or, on the GPU, CuPy) and grid_thw [N, 3]."""
+        geo = self.geometry
+        grid = check_grid(np.asarray(grid_thw), geo)
+        patches = num_patches(grid)
+        if tuple(pixel_values.shape) != (patches, geo.patch_dim):
+            raise GlmVitError(f"pixel_values has shape {list(pixel_values.shape)}; grid_thw needs "
+                              f"[{patches}, {geo.patch_dim}]")
+        last_hidden, pooler = self.tower.forward(pixel_values, grid)
+        return GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
+
+    def encode(self, images: ImageLike | Sequence[ImageLike],
+               min_image_tokens: int = MIN_IMAGE_TOKENS,
+               max_image_tokens: int = MAX_IMAGE_TOKENS) -> list[GlmVitOutput]:
+        """Preprocess and encode images; one GlmVitOutput per image, in order. Images are packed
+        into forward calls of at most p_max patches each."""
+        if isinstance(images, (str, Path, np.ndarray)) or not isinstance(images, Sequence):
+            images = [images]
+        geo = self.geometry
+        prepared = [preprocess(img, patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
+                               merge_size=geo.spatial_merge_size, min_image_tokens=min_image_tokens,
+                               max_image_tokens=max_image_tokens) for img in images]
+        results: list[GlmVitOutput] = []
+        batch: list[tuple[np.ndarray, np.ndarray]] = []
+        for item in prepared + [None]:
+            full = batch and item is not None and sum(len(p) for p, _ in batch) + len(item[0]) > geo.p_max
+            if batch and (item is None or full):
+                out = self.forward(np.concatenate([p for p, _ in batch]), np.concatenate([g for _, g in batch]))
+                results.extend(out.split())
+                batch = []
+            if item is not None:
+                batch.append(item)
+        return results

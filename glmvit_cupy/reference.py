@@ -1,0 +1,127 @@
+"""The NumPy reference: the tower's math in float32, readable top to bottom.
+
+This is the statement of what the GPU engine (`engine.py`) computes, step for step and
+under the same names, and what CI checks against transformers' `Glm5NextVisionModel`.
+Weights are the checkpoint's BF16 values widened to float32; every activation is float32.
+See ../shared/SPEC.md "The forward pass" for the numbered steps quoted below.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checkpoint import GlmVitTensors, TowerWeights, structure
+from .geometry import GlmVitGeometry
+from .layout import block_major_positions, frame_segments, rope_inv_freq
+
+LAYERNORM_EPS = 1e-5  # the merger's nn.LayerNorm default, not config's rms_norm_eps
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widen raw BF16 bit patterns (uint16) to float32: BF16 is the top half of a float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w
+
+
+def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    centred = x - x.mean(axis=-1, keepdims=True)
+    return centred / np.sqrt(np.mean(centred * centred, axis=-1, keepdims=True) + np.float32(eps)) * w + b
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """Exact GELU, 0.5 x (1 + erf(x / sqrt 2)); erf from erfc's Chebyshev fit (rel. error < 1.2e-7)."""
+    z = np.abs(x.astype(np.float64)) / np.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    erf = np.sign(x) * (1.0 - t * np.exp(poly))
+    return (0.5 * x * (1.0 + erf)).astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def swiglu_clamp(gate_up: np.ndarray, limit: float) -> np.ndarray:
+    """silu(min(gate, L)) * clamp(up, -L, L) over a [rows, 2 x inter] gate|up product."""
+    gate, up = np.split(gate_up, 2, axis=-1)
+    return silu(np.minimum(gate, np.float32(limit))) * np.clip(up, -limit, limit)
+
+
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Step 4: (cos, sin) [P, head_dim/2] of the angles [h * inv_freq, w * inv_freq]."""
+    pos = positions.astype(np.float32)
+    angles = np.concatenate([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], axis=-1)
+    return np.cos(angles), np.sin(angles)
+
+
+def qknorm_rope(x: np.ndarray, w: np.ndarray, cos: np.ndarray, sin: np.ndarray, eps: float) -> np.ndarray:
+    """Per-head RMSNorm then rotate-half RoPE over the whole head_dim. x: [P, heads, hd]."""
+    x = rmsnorm(x, w, eps)
+    cos = np.concatenate([cos, cos], axis=-1)[:, None, :]  # the hd/2 angles serve both halves
+    sin = np.concatenate([sin, sin], axis=-1)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def segment_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """softmax(q k^T / sqrt(hd)) v within each segment, head by head. q, k, v: [P, heads, hd]."""
+    out = np.empty_like(q)
+    scale = np.float32(q.shape[-1] ** -0.5)
+    for start, length in segments.tolist():
+        rows = slice(start, start + length)
+        for head in range(q.shape[1]):
+            scores = q[rows, head] @ k[rows, head].T * scale
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            out[rows, head] = probs @ v[rows, head]
+    return out
+
+
+def im2col_2x2(x: np.ndarray) -> np.ndarray:
+    """Step 7: each run of 4 tokens (one 2x2 block) -> one row in (channel, kh, kw) order."""
+    return x.reshape(-1, 4, x.shape[-1]).transpose(0, 2, 1).reshape(x.shape[0] // 4, -1)
+
+
+class NumpyTower:
+    """The whole tower in float32 NumPy; `forward` returns (last_hidden_state, pooler_output)."""
+
+    def __init__(self, weights: TowerWeights) -> None:
+        self.geo: GlmVitGeometry = weights.location.geometry
+        self.w: GlmVitTensors[np.ndarray] = structure(weights, bf16_to_f32)
+        self.inv_freq = rope_inv_freq(self.geo)
+
+    def attention(self, x: np.ndarray, blk, cos, sin, segments) -> np.ndarray:
+        geo = self.geo
+        qkv = (x @ blk.qkv_w.T + blk.qkv_b).reshape(len(x), 3, geo.num_heads, geo.head_dim)
+        q = qknorm_rope(qkv[:, 0], blk.q_norm_w, cos, sin, geo.rms_norm_eps)
+        k = qknorm_rope(qkv[:, 1], blk.k_norm_w, cos, sin, geo.rms_norm_eps)
+        o = segment_attention(q, k, qkv[:, 2], segments)
+        return o.reshape(len(x), -1) @ blk.proj_w.T + blk.proj_b
+
+    def mlp(self, x: np.ndarray, blk) -> np.ndarray:
+        act = swiglu_clamp(x @ blk.gate_up_w.T + blk.gate_up_b, self.geo.swiglu_limit)
+        return act @ blk.down_w.T + blk.down_b
+
+    def merger(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        m, geo = self.w.merger, self.geo
+        x = rmsnorm(x, m.post_layernorm_w, geo.rms_norm_eps)  # step 6
+        last_hidden = im2col_2x2(x) @ m.downsample_w.T + m.downsample_b  # step 7
+        y = gelu_erf(layernorm(last_hidden @ m.proj_w.T, m.norm_w, m.norm_b, LAYERNORM_EPS))  # step 8
+        pooler = swiglu_clamp(y @ m.gate_up_w.T, geo.swiglu_limit) @ m.down_w.T
+        return last_hidden, pooler
+
+    def forward(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        geo = self.geo
+        cos, sin = rope_tables(block_major_positions(grid_thw, geo.spatial_merge_size), self.inv_freq)
+        segments = frame_segments(grid_thw)
+        x = pixel_values.astype(np.float32) @ self.w.patch_embed_w.T + self.w.patch_embed_b  # step 1
+        for blk in self.w.blocks:  # step 5
+            x = x + self.attention(rmsnorm(x, blk.norm1_w, geo.rms_norm_eps), blk, cos, sin, segments)
+            x = x + self.mlp(rmsnorm(x, blk.norm2_w, geo.rms_norm_eps), blk)
+        return self.merger(x)

@@ -1,0 +1,117 @@
+"""`GlmVitScratch`: every device buffer the engine writes, sized once for p_max patches.
+
+Allocated on the FIRST image, never at load (a process that binds the tower and encodes
+nothing pays nothing), then reused by every call; a CUDA graph captured over the forward
+bakes these addresses in. The seed's scratch kept one buffer per role; here the roles that
+are never live at the same time share a slab, which is what keeps the engine's memory under
+half of transformers' at 2044x2044 (see BENCHMARKS.md):
+
+  slab      block phase (x 24)                      merger phase (after the last block)
+  resid     residual stream, f32 [P, h]             merger proj out, then pooler_output, f32 [M, out]
+  normed    norm output / attention output, bf16    im2col [M, 4h], then LayerNorm+GELU out [M, out]
+  qkv       pixels bf16 [P, patch_dim], then QKV    last_hidden_state f32 [M, out] + its bf16 copy
+            bf16 [P, 3h] (q, k normed + roped)
+  mlp       gate|up of a chunk of rows, bf16        merger gate|up of a chunk of rows
+            [MLP_CHUNK, 2 x inter] (act in place)   [merger chunk, 2 x projection]
+  rope      cos, sin f32 [P, hd/2]                  -
+  index     positions int32 [P, 2], flash work list -
+  workspace cuBLAS's workspace (given to the handle)  the same
+
+Seed names -> here: buf_f32 -> resid, buf_h1/buf_h2 -> normed, buf_gate/buf_up -> mlp,
+buf_qr/buf_kr/buf_vt -> qkv, buf_o_stage -> normed, buf_rope_cos/sin -> rope_cos/sin,
+buf_merge_a/b/g/u -> normed/qkv/mlp views, buf_out -> pooler. buf_scores/buf_probs (the
+[P, P] score matrix) exist only with attention="naive"; the flash path needs none.
+P = p_max, M = p_max / 4. The MLP runs in row chunks so its 2 x intermediate-wide product
+never needs P rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .geometry import GlmVitGeometry
+
+MLP_CHUNK = 4096  # rows of the block MLP's gate|up product held at once
+CUBLAS_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper; fixed, so graphs can capture
+ALIGN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ScratchPlan:
+    """Byte sizes of each slab for one geometry (pure arithmetic: no GPU needed)."""
+
+    p_max: int
+    mlp_rows: int  # block MLP chunk
+    merger_rows: int  # merger MLP chunk
+    max_tiles: int  # flash work-list entries
+    slabs: dict[str, int]
+    naive_bytes: int  # the [P, P] scores + probs, allocated only for attention="naive"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.slabs.values())
+
+
+def _round(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
+    p, h, o = geo.p_max, geo.hidden_size, geo.out_hidden_size
+    m = p // geo.merge_unit
+    mlp_rows = min(MLP_CHUNK, p)
+    mlp_bytes = mlp_rows * 2 * geo.intermediate_size * 2
+    merger_rows = max(1, min(m, mlp_bytes // (2 * geo.projection_intermediate_size * 2)))
+    max_tiles = p // 128 + p // geo.merge_unit  # every segment adds at most one partial tile
+    slabs = {
+        "resid": _round(max(4 * p * h, 4 * m * o)),
+        "normed": _round(max(2 * p * h, 2 * m * geo.merge_unit * h, 2 * m * o)),
+        "qkv": _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o)),
+        "mlp": _round(max(mlp_bytes, merger_rows * 2 * geo.projection_intermediate_size * 2)),
+        "rope": _round(2 * 4 * p * (geo.head_dim // 2)),
+        "index": _round(4 * 2 * p) + _round(16 * max_tiles),
+        "workspace": CUBLAS_WORKSPACE,
+    }
+    return ScratchPlan(p, mlp_rows, merger_rows, max_tiles, slabs, naive_bytes=p * p * (4 + 2))
+
+
+class GlmVitScratch:
+    """The slabs of `plan` on the device, and the typed views the forward uses."""
+
+    def __init__(self, geo: GlmVitGeometry, plan: ScratchPlan, naive: bool) -> None:
+        import cupy
+
+        self.plan = plan
+        self.bytes = plan.total_bytes + (plan.naive_bytes if naive else 0)
+        slab = {name: cupy.empty(size, dtype=cupy.uint8) for name, size in plan.slabs.items()}
+        p, h, o, m = plan.p_max, geo.hidden_size, geo.out_hidden_size, plan.p_max // geo.merge_unit
+        hd2 = geo.head_dim // 2
+
+        def view(name: str, dtype, shape: tuple[int, ...], offset: int = 0):
+            n = math.prod(shape) * cupy.dtype(dtype).itemsize
+            assert offset + n <= slab[name].size, (name, shape)
+            return slab[name][offset:offset + n].view(dtype).reshape(shape)
+
+        bf16 = cupy.uint16  # BF16 travels as its 16-bit pattern; kernels and cuBLAS read it as BF16
+        # block phase
+        self.resid = view("resid", cupy.float32, (p, h))
+        self.normed = view("normed", bf16, (p, h))
+        self.pixels = view("qkv", bf16, (p, geo.patch_dim))
+        self.qkv = view("qkv", bf16, (p, 3 * h))
+        self.mlp = view("mlp", bf16, (plan.mlp_rows, 2 * geo.intermediate_size))
+        self.rope_cos = view("rope", cupy.float32, (p, hd2))
+        self.rope_sin = view("rope", cupy.float32, (p, hd2), 4 * p * hd2)
+        self.positions = view("index", cupy.int32, (p, 2))
+        self.tiles = view("index", cupy.int32, (plan.max_tiles, 4), _round(4 * 2 * p))
+        # merger phase
+        self.merge_a = view("normed", bf16, (m, geo.merge_unit * h))
+        self.merge_y = view("normed", bf16, (m, o))
+        self.last_hidden = view("qkv", cupy.float32, (m, o))
+        self.last_hidden_bf16 = view("qkv", bf16, (m, o), 4 * m * o)
+        self.pooler = view("resid", cupy.float32, (m, o))
+        self.merge_mlp = view("mlp", bf16, (plan.merger_rows, 2 * geo.projection_intermediate_size))
+        # naive attention only: one (segment, head) score matrix at a time
+        self.workspace = slab["workspace"]
+        self.scores = cupy.empty(p * p, dtype=cupy.float32) if naive else None
+        self.probs = cupy.empty(p * p, dtype=bf16) if naive else None

@@ -1,0 +1,186 @@
+"""Synthetic checkpoints in the exact released layout, with random weights from a seed.
+
+No real GLM-5.3 weights can be downloaded where this project is built and tested, so the
+tests, the benchmarks and a newcomer's first run use checkpoints written here: the same
+config.json, shard index, tensor names, on-disk shapes (5-D patch-embed conv, 4-D downsample
+conv) and BF16 dtype as the real export, plus decoy text-stack tensors (NVFP4-style U8 packed
+weights, F8_E4M3 scales, BF16 embeddings) that the binder must never read.
+
+Weights look like a trained-from-init model rather than zeros: linear weights and biases
+N(0, 0.02) (transformers' initializer_range), norm weights 1 + N(0, 0.1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .checkpoint import INDEX_FILE, SINGLE_FILE, tower_shapes
+from .errors import GlmVitError
+from .geometry import REAL, GlmVitGeometry
+
+GEOMETRIES = {
+    "real": GlmVitGeometry(**REAL),
+    # Small enough for CI's CPU, shaped like the real tower (head_dim 64, every width a
+    # multiple of 8 so the GPU engine runs it too).
+    "tiny": GlmVitGeometry(depth=2, hidden_size=128, num_heads=2, intermediate_size=256,
+                           in_channels=3, patch_size=14, temporal_patch_size=2,
+                           spatial_merge_size=2, out_hidden_size=256,
+                           projection_intermediate_size=512, rms_norm_eps=1e-5,
+                           swiglu_limit=10.0, rope_theta=10000.0),
+}
+LAYOUTS = {
+    # name: (tensor prefix, config model_type, sharded, decoys)
+    "full": ("model.visual", "glm5_next", True, True),
+    "nested": ("model.language_model.visual", "glm5_next", False, True),
+    "vision-only": ("visual", "glm5_next_vision", False, False),
+}
+_NORMS = ("norm1.weight", "norm2.weight", "q_norm.weight", "k_norm.weight",
+          "post_layernorm.weight", "post_projection_norm.weight")
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def vision_config(geo: GlmVitGeometry) -> dict:
+    return {
+        "model_type": "glm5_next_vision", "depth": geo.depth, "hidden_size": geo.hidden_size,
+        "num_heads": geo.num_heads, "intermediate_size": geo.intermediate_size,
+        "in_channels": geo.in_channels, "patch_size": geo.patch_size,
+        "temporal_patch_size": geo.temporal_patch_size,
+        "spatial_merge_size": geo.spatial_merge_size, "out_hidden_size": geo.out_hidden_size,
+        "projection_intermediate_size": geo.projection_intermediate_size,
+        "rms_norm_eps": geo.rms_norm_eps, "swiglu_limit": geo.swiglu_limit,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": geo.rope_theta},
+        "hidden_act": "silu", "attention_bias": True, "attention_dropout": 0.0,
+        "image_size": 448, "initializer_range": 0.02,
+    }
+
+
+def _stored_shape(name: str, read_shape: tuple[int, ...], geo: GlmVitGeometry) -> list[int]:
+    """The on-disk shape: the two convolutions keep their kernel axes."""
+    if name == "patch_embed.proj.weight":
+        return [geo.hidden_size, geo.in_channels, geo.temporal_patch_size, geo.patch_size, geo.patch_size]
+    if name == "downsample.weight":
+        m = geo.spatial_merge_size
+        return [geo.out_hidden_size, geo.hidden_size, m, m]
+    return list(read_shape)
+
+
+def _tower_values(geo: GlmVitGeometry, rng: np.random.Generator, shapes: dict) -> Iterator[bytes]:
+    for name, shape in shapes.items():
+        noise = rng.standard_normal(math.prod(shape), dtype=np.float32)
+        if name.endswith(_NORMS):
+            values = 1.0 + 0.1 * noise
+        else:
+            values = 0.02 * noise
+        yield f32_to_bf16_bits(values).tobytes()
+
+
+def _decoys(geo: GlmVitGeometry, decoy_bytes: int) -> list[tuple[str, str, list[int]]]:
+    """Text-stack tensors of an NVFP4 export: U8-packed weights, F8_E4M3 scales, BF16 embeds."""
+    cols = 512
+    rows = max(1, decoy_bytes // cols)
+    return [
+        ("model.language_model.embed_tokens.weight", "BF16", [rows // 2, cols]),
+        ("model.language_model.layers.0.mlp.experts.gate_up_proj.weight", "U8", [rows, cols]),
+        ("model.language_model.layers.0.mlp.experts.gate_up_proj.weight_scale", "F8_E4M3", [rows, cols // 16]),
+        ("model.language_model.layers.1.mlp.experts.down_proj.weight", "U8", [rows, cols]),
+        ("model.language_model.layers.1.mlp.experts.down_proj.weight_scale", "F8_E4M3", [rows, cols // 16]),
+        ("lm_head.weight", "BF16", [rows // 2, cols]),
+    ]
+
+
+_ITEMSIZE = {"BF16": 2, "U8": 1, "F8_E4M3": 1}
+
+
+def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data: Iterator[bytes]) -> int:
+    """Write one safetensors file: header of (name, dtype, shape) in order, then each tensor's
+    bytes as `data` yields them. Written to a temporary name, then renamed. Returns its size."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in specs:
+        n = math.prod(shape) * _ITEMSIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for (name, dtype, shape), chunk in zip(specs, data):
+            assert len(chunk) == header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            f.write(chunk)
+    os.replace(tmp, path)
+    return 8 + len(blob) + offset
+
+
+def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real", seed: int = 0,
+                     layout: str = "full", decoy_bytes: int | None = None) -> Path:
+    """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`."""
+    geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
+    prefix, model_type, sharded, with_decoys = LAYOUTS[layout]
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GlmVitError(f"{out}: exists and is not an empty directory; refusing to write a checkpoint there")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GlmVitError(f"{out}: cannot create directory: {exc.strerror}") from None
+    rng = np.random.default_rng(seed)
+
+    shapes = tower_shapes(geo)
+    tower_specs = [(f"{prefix}.{n}", "BF16", _stored_shape(n, s, geo)) for n, s in shapes.items()]
+    tower_data = _tower_values(geo, rng, shapes)
+    if decoy_bytes is None:
+        decoy_bytes = 32 << 20 if geo.hidden_size >= 1024 else 1 << 20
+    decoys = _decoys(geo, decoy_bytes) if with_decoys else []
+
+    def decoy_data(specs):
+        for _, dtype, shape in specs:
+            yield rng.integers(0, 256, math.prod(shape) * _ITEMSIZE[dtype], dtype=np.uint8).tobytes()
+
+    config = vision_config(geo)
+    if model_type == "glm5_next":
+        config = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+                  "text_config": {"model_type": "glm5_next_text", "hidden_size": 4096,
+                                  "num_hidden_layers": 2, "vocab_size": 154880},
+                  "vision_config": config, "dtype": "bfloat16", "image_token_id": 154854}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    if not sharded:
+        specs = decoys[:3] + tower_specs + decoys[3:]
+        write_safetensors(out / SINGLE_FILE, specs, _specs_data(specs, prefix, tower_data, decoy_data))
+        return out
+
+    # Three shards: the tower split across the first two, each beside text-stack decoys, and a
+    # third holding only text-stack tensors (the binder must not even open it).
+    half = (geo.depth // 2) * 14
+    groups = [decoys[:3] + tower_specs[:half], tower_specs[half:] + decoys[3:5], decoys[5:]]
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total = {}, 0
+    for fname, specs in zip(names, groups):
+        total += write_safetensors(out / fname, specs, _specs_data(specs, prefix, tower_data, decoy_data))
+        weight_map.update({s[0]: fname for s in specs})
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": weight_map}, indent=2) + "\n")
+    return out
+
+
+def _specs_data(specs, prefix, tower_data, decoy_data) -> Iterator[bytes]:
+    """Bytes for `specs` in order: tower tensors from the shared stream, decoys fresh."""
+    for spec in specs:
+        if spec[0].startswith(prefix + "."):
+            yield next(tower_data)
+        else:
+            yield from decoy_data([spec])
