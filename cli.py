@@ -199,5 +199,51 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
                f"{loc.tower_bytes / 2**20:.1f} MiB, seed {seed}")
 
 
+@main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Checkpoint directory.")
+@click.option("--image-size", "sizes", multiple=True, type=click.IntRange(min=28), default=(448,), show_default=True,
+              help="Square image side in pixels; repeat for several cases.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Images of each size per forward call.")
+@click.option("--attention", type=click.Choice(["flash", "naive"]), default="flash", show_default=True,
+              help="flash: the fused kernel; naive: materialised scores (the cross-check).")
+@click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per case.")
+@user_errors
+def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
+    """Time the GPU engine: median ms, TFLOP/s, % of a cuBLAS peak, scratch, stages.
+
+    Forward only (preprocessing and the pixel upload excluded), median of CUDA-event timings
+    after warm-up; the cuBLAS ceiling is a BF16 8192^3 GEMM measured in the same process.
+    """
+    from glmvit_cupy import GlmVit, load_geometry, preprocess
+    from glmvit_cupy.benchmark import cublas_peak_tflops, time_engine
+    from glmvit_cupy.model import gpu_available
+
+    ok, why = gpu_available()
+    if not ok:
+        raise GlmVitError(f"bench needs a CUDA GPU: {why}")
+    import cupy
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for size in sizes:
+        image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+        cases.append((size, preprocess([image] * batch)))
+    geo = load_geometry(model_dir)
+    most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
+    vit = GlmVit.from_pretrained(model_dir, backend="cupy", attention=attention,
+                                 max_pixels=max(most, geo.p_max) * geo.patch_size ** 2)
+    peak = cublas_peak_tflops()
+    click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak:.0f} TFLOP/s; scratch "
+               f"{vit.scratch_bytes / 2**20:.0f} MiB for p_max {vit.geometry.p_max}; attention {attention}")
+    for size, (pixels, grid) in cases:
+        t = time_engine(vit, cupy.asarray(pixels), grid, iters=iters)
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in t.stages_ms.items())
+        click.echo(f"{batch} x {size}x{size} ({len(pixels)} patches): {t.median_ms:.2f} ms, {t.tflops:.0f} TFLOP/s "
+                   f"({100 * t.tflops / peak:.0f}% of peak); first call {t.first_call_ms:.0f} ms; "
+                   f"eager stages ms: {stages}")
+
+
 if __name__ == "__main__":
     main()

@@ -6,6 +6,9 @@
 
 typedef __nv_bfloat16 bf16;
 
+// -infinity without <math.h> (NVRTC compiles without the host headers that define INFINITY).
+__device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

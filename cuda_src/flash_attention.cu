@@ -118,7 +118,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
     for (int mt = 0; mt < MT; ++mt) {
         #pragma unroll
         for (int n = 0; n < NO; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
-        m_run[mt][0] = m_run[mt][1] = -INFINITY;
+        m_run[mt][0] = m_run[mt][1] = neg_inf();
         l_run[mt][0] = l_run[mt][1] = 0.f;
     }
 
@@ -171,7 +171,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
                 for (int n = 0; n < NS; ++n)
                     #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        if (key0 + n * 8 + 2 * t + (e & 1) >= seg_len) s[mt][n][e] = -INFINITY;
+                        if (key0 + n * 8 + 2 * t + (e & 1) >= seg_len) s[mt][n][e] = neg_inf();
         }
 
         // Online softmax. A row's 64 scores are spread over the 4 lanes of a quad (same g):

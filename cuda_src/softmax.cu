@@ -11,7 +11,7 @@ extern "C" __global__ void __launch_bounds__(256)
 softmax_rows(const float* __restrict__ scores, bf16* __restrict__ probs, int n, float scale) {
     __shared__ float red[8];
     const float* row = scores + (long long)blockIdx.x * n;
-    float m = -INFINITY;
+    float m = neg_inf();
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, row[i]);
     m = block_reduce<true>(m, red);
     float s = 0.f;

@@ -60,10 +60,6 @@ FUSED_PAIRS = {"mlp.gate_proj.weight": "mlp.up_proj.weight",
                "merger.gate_proj.weight": "merger.up_proj.weight"}
 ARENA_ALIGN = 256  # bytes; cuBLAS and the 16-byte vector loads want aligned operands
 
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "F8_E4M3": 1,
-                "F8_E5M2": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
-                "BOOL": 1, "F8_E8M0": 1, "F4": 1}
-
 
 def tower_shapes(geo: GlmVitGeometry) -> dict[str, tuple[int, ...]]:
     """Every tower tensor's short name -> the shape the engines read it as (flattened 2-D)."""

@@ -100,7 +100,7 @@ def _decoys(geo: GlmVitGeometry, decoy_bytes: int) -> list[tuple[str, str, list[
     ]
 
 
-_ITEMSIZE = {"BF16": 2, "U8": 1, "F8_E4M3": 1}
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
 
 def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data: Iterator[bytes]) -> int:

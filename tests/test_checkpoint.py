@@ -1,0 +1,188 @@
+"""Binding: layouts, prefix probe, census, dtype/shape guards, and reading only the tower."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from glmvit_cupy import GlmVitError
+from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower, tower_shapes
+from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint, write_safetensors
+
+
+def read_all(path: Path) -> list[tuple[str, str, list[int], bytes]]:
+    """Every tensor of one safetensors file as (name, dtype, shape, bytes)."""
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    header.pop("__metadata__", None)
+    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    return [(k, v["dtype"], v["shape"], blob[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in items]
+
+
+def rewrite(path: Path, edit) -> None:
+    """Rewrite a single-file checkpoint through `edit(name, dtype, shape, data) -> tuple | None`."""
+    items = [t for t in (edit(*item) for item in read_all(path)) if t is not None]
+    write_safetensors(path, [(n, d, s) for n, d, s, _ in items], iter([b for *_, b in items]))
+
+
+@pytest.mark.parametrize("layout, prefix", [("full", "model.visual"),
+                                            ("nested", "model.language_model.visual"),
+                                            ("vision-only", "visual")])
+def test_three_layouts_bind_with_the_right_prefix(tmp_path, layout, prefix):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=3, layout=layout)
+    weights = bind_checkpoint(ckpt)
+    loc = weights.location
+    assert loc.prefix == prefix
+    assert len(loc.entries) == loc.geometry.tensor_count == 39
+    assert weights.bytes_read == loc.tower_bytes == 2 * loc.geometry.parameter_count
+
+
+def test_binding_agrees_with_the_official_safetensors_parser(tiny_ckpt):
+    """Our header parsing and pread vs safetensors' own reader, tensor by tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = bind_checkpoint(tiny_ckpt)
+    loaded = {}
+    for shard in tiny_ckpt.glob("*.safetensors"):
+        with safe_open(shard, "numpy") as f:
+            for name in f.keys():
+                loaded[name] = (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape())
+        for name, tensor in load_file(shard).items():
+            if name.startswith("model.visual."):
+                short = name[len("model.visual."):]
+                bits = weights.raw(short)
+                assert tensor.dtype == torch.bfloat16
+                assert np.array_equal(tensor.view(torch.int16).numpy().view(np.uint16).reshape(bits.shape), bits)
+    tower = {k: v for k, v in loaded.items() if k.startswith("model.visual.")}
+    assert len(tower) == 39 and all(dtype == "BF16" for dtype, _ in tower.values())
+    assert tower["model.visual.patch_embed.proj.weight"][1] == [128, 3, 2, 14, 14]
+    assert tower["model.visual.downsample.weight"][1] == [256, 128, 2, 2]
+
+
+def test_fused_gate_up_is_a_view_of_both_tensors(tiny_ckpt):
+    w = bind_checkpoint(tiny_ckpt)
+    fused = w.fused("blocks.1.mlp.gate_proj.weight", "blocks.1.mlp.up_proj.weight")
+    assert fused.shape == (512, 128) and np.shares_memory(fused, w.arena)
+    assert np.array_equal(fused[:256], w.raw("blocks.1.mlp.gate_proj.weight"))
+    assert np.array_equal(fused[256:], w.raw("blocks.1.mlp.up_proj.weight"))
+
+
+def test_census_of_the_real_geometry_is_347():
+    shapes = tower_shapes(GEOMETRIES["real"])
+    assert len(shapes) == 347 == 24 * 14 + 11
+    assert shapes["patch_embed.proj.weight"] == (1024, 1176)
+    assert shapes["downsample.weight"] == (4096, 4096)
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def test_only_the_towers_bytes_are_read(tmp_path):
+    """Beside large U8 / F8_E4M3 / BF16 text-stack tensors, the bytes read (the kernel's
+    count, /proc/self/io rchar) are the tower's plus headers, and the shard holding only
+    text-stack tensors is never opened (it is deleted here)."""
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=4, decoy_bytes=48 << 20)
+    decoy_total = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    (ckpt / "model-00003-of-00003.safetensors").unlink()
+    before = _rchar()
+    weights = bind_checkpoint(ckpt)
+    read = _rchar() - before
+    tower = weights.location.tower_bytes
+    assert decoy_total > 50 * tower  # the decoys dwarf the tower
+    assert tower <= read < tower + (1 << 20), (read, tower)
+
+
+def test_text_only_checkpoint_is_refused(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=5, layout="nested")
+    rewrite(ckpt / "model.safetensors", lambda n, d, s, b: None if ".visual." in n else (n, d, s, b))
+    with pytest.raises(GlmVitError, match="no vision tower in the checkpoint.*text-only"):
+        locate_tower(ckpt)
+
+
+def test_missing_and_unexpected_tensors_are_listed(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=6, layout="vision-only")
+    path = ckpt / "model.safetensors"
+    rewrite(path, lambda n, d, s, b: None if n == "visual.blocks.1.attn.k_norm.weight" else (n, d, s, b))
+    with pytest.raises(GlmVitError, match=r"1 missing \(visual\.blocks\.1\.attn\.k_norm\.weight\)"):
+        locate_tower(ckpt)
+    rewrite(path, lambda n, d, s, b: (n, d, s, b) if n != "visual.blocks.1.norm1.weight"
+            else (n.replace("blocks.1", "blocks.2"), d, s, b))
+    with pytest.raises(GlmVitError, match=r"unexpected \(visual\.blocks\.2\.norm1\.weight\)"):
+        locate_tower(ckpt)
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("F32", 4), ("F16", 2), ("F8_E4M3", 1), ("U8", 1)])
+def test_non_bf16_tower_tensor_is_refused_by_name(tmp_path, dtype, itemsize):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=7, layout="vision-only")
+    target = "visual.blocks.0.attn.qkv.weight"
+    rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, dtype, s, bytes(math.prod(s) * itemsize))
+            if n == target else (n, d, s, b))
+    with pytest.raises(GlmVitError, match=rf"{target} is {dtype}, expected BF16"):
+        locate_tower(ckpt)
+
+
+def test_wrong_shape_names_found_and_expected(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, layout="vision-only")
+    rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, [128, 3, 2, 16, 16], bytes(128 * 1536 * 2))
+            if n == "visual.patch_embed.proj.weight" else (n, d, s, b))
+    with pytest.raises(GlmVitError, match=r"patch_embed\.proj\.weight has shape \[128, 3, 2, 16, 16\], "
+                                          r"which flattens to \[128, 1536\]; .* expects \[128, 1176\]"):
+        locate_tower(ckpt)
+
+
+def test_truncated_and_corrupt_shards(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=9, layout="vision-only")
+    path = ckpt / "model.safetensors"
+    blob = path.read_bytes()
+    path.write_bytes(blob[:len(blob) - 1000])
+    with pytest.raises(GlmVitError, match="truncated or corrupt"):
+        locate_tower(ckpt)
+    path.write_bytes(b"\xff" * 8 + blob[8:100])
+    with pytest.raises(GlmVitError, match="corrupt safetensors header"):
+        locate_tower(ckpt)
+    path.write_bytes(b"")
+    with pytest.raises(GlmVitError, match="truncated safetensors file"):
+        locate_tower(ckpt)
+
+
+def test_missing_shard_and_empty_directory(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=10)
+    (ckpt / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(GlmVitError, match="model-00002-of-00003.safetensors: shard listed in the checkpoint is missing"):
+        locate_tower(ckpt)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text('{"model_type": "glm5_next_vision"}')
+    with pytest.raises(GlmVitError, match="no safetensors checkpoint"):
+        locate_tower(tmp_path / "empty")
+
+
+def test_make_checkpoint_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "keep.txt").write_text("precious")
+    with pytest.raises(GlmVitError, match="not an empty directory"):
+        write_checkpoint(tmp_path, "tiny")
+    assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_same_seed_same_bytes_and_realistic_values(tmp_path):
+    a = bind_checkpoint(write_checkpoint(tmp_path / "a", "tiny", seed=11))
+    b = bind_checkpoint(write_checkpoint(tmp_path / "b", "tiny", seed=11))
+    assert np.array_equal(a.arena, b.arena)
+    from glmvit_cupy.reference import bf16_to_f32
+    w = bf16_to_f32(a.raw("blocks.0.attn.qkv.weight"))
+    bias = bf16_to_f32(a.raw("blocks.0.attn.qkv.bias"))
+    norm = bf16_to_f32(a.raw("blocks.0.norm1.weight"))
+    assert abs(w.std() - 0.02) < 0.002 and abs(bias.std() - 0.02) < 0.005
+    assert abs(norm.mean() - 1) < 0.05 and 0.05 < norm.std() < 0.15
+    assert os.path.getsize(next((tmp_path / "a").glob("model-00003*"))) > 0

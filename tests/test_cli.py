@@ -1,0 +1,140 @@
+"""The glmvit-cupy command: what a newcomer runs, and every user mistake as one clean line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy import GlmVit
+from helpers import photo_like
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script's code path, in a fresh process (real exit status)."""
+    return subprocess.run([sys.executable, "-c", "import cli; cli.main()", *args],
+                          capture_output=True, text=True)
+
+
+def assert_clean_failure(proc: subprocess.CompletedProcess, *words: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("glmvit-cupy: error: "), proc.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.fixture(scope="module")
+def pngs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("img")
+    paths = []
+    for i, (h, w) in enumerate([(120, 90), (56, 56)]):
+        paths.append(root / f"img{i}.png")
+        Image.fromarray(photo_like(h, w, seed=i)).save(paths[-1])
+    return paths
+
+
+def test_newcomer_flow_make_checkpoint_then_encode(tmp_path, pngs):
+    made = run("make-checkpoint", str(tmp_path / "ckpt"), "--geometry", "tiny", "--seed", "3")
+    assert made.returncode == 0, made.stderr
+    out = tmp_path / "emb.npy"
+    proc = run("encode", str(pngs[0]), "--model", str(tmp_path / "ckpt"), "--out", str(out), "--backend", "numpy")
+    assert proc.returncode == 0, proc.stderr
+    emb = np.load(out)
+    expected = GlmVit.from_pretrained(tmp_path / "ckpt", backend="numpy").encode(pngs[0])[0].pooler_output
+    assert emb.dtype == np.float32 and np.array_equal(emb, expected)
+
+
+def test_auto_without_a_gpu_says_so(tmp_path, tiny_ckpt, pngs):
+    from glmvit_cupy.model import gpu_available
+
+    if gpu_available()[0]:
+        pytest.skip("this machine has a GPU")
+    proc = run("encode", str(pngs[0]), "--model", str(tiny_ckpt), "--out", str(tmp_path / "a.npy"))
+    assert proc.returncode == 0, proc.stderr
+    assert "running the NumPy backend" in proc.stderr
+
+
+def test_npz_with_several_images_and_both_outputs(tmp_path, tiny_ckpt, pngs):
+    out = tmp_path / "emb.npz"
+    proc = run("encode", *map(str, pngs), "--model", str(tiny_ckpt), "--out", str(out),
+               "--backend", "numpy", "--output", "both")
+    assert proc.returncode == 0, proc.stderr
+    data = np.load(out)
+    assert set(data.files) == {"pooler_output", "last_hidden_state", "grid_thw", "offsets"}
+    results = GlmVit.from_pretrained(tiny_ckpt, backend="numpy").encode(pngs)
+    assert data["grid_thw"].tolist() == [r.grid_thw[0].tolist() for r in results]
+    lengths = [len(r.pooler_output) for r in results]
+    assert data["offsets"].tolist() == [0, lengths[0], sum(lengths)]
+    assert np.array_equal(data["pooler_output"], np.concatenate([r.pooler_output for r in results]))
+    assert np.array_equal(data["last_hidden_state"], np.concatenate([r.last_hidden_state for r in results]))
+
+
+def test_last_hidden_only(tmp_path, tiny_ckpt, pngs):
+    out = tmp_path / "lh.npy"
+    assert run("encode", str(pngs[1]), "--model", str(tiny_ckpt), "--out", str(out), "--backend", "numpy",
+               "--output", "last_hidden").returncode == 0
+    ref = GlmVit.from_pretrained(tiny_ckpt, backend="numpy").encode(pngs[1])[0].last_hidden_state
+    assert np.array_equal(np.load(out), ref)
+
+
+def test_user_mistakes_are_one_line(tmp_path, tiny_ckpt, pngs):
+    model = ["--model", str(tiny_ckpt), "--backend", "numpy"]
+    assert_clean_failure(run("encode", str(tmp_path / "none.png"), *model, "--out", str(tmp_path / "o.npy")),
+                         "none.png", "no such image file")
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    assert_clean_failure(run("encode", str(tmp_path / "bad.png"), *model, "--out", str(tmp_path / "o.npy")),
+                         "bad.png")
+    blob = pngs[0].read_bytes()
+    (tmp_path / "cut.png").write_bytes(blob[:len(blob) // 3])
+    assert_clean_failure(run("encode", str(tmp_path / "cut.png"), *model, "--out", str(tmp_path / "o.npy")),
+                         "cut.png")
+    assert_clean_failure(run("encode", *map(str, pngs), *model, "--out", str(tmp_path / "o.npy")),
+                         "several images", ".npz")
+    assert_clean_failure(run("encode", str(pngs[0]), *model, "--out", str(tmp_path / "no" / "dir" / "o.npy")),
+                         "does not exist")
+    assert_clean_failure(run("encode", str(pngs[0]), *model, "--out", str(pngs[0]) + "/o.npy"), "o.npy")
+    assert_clean_failure(run("encode", str(pngs[0]), *model, "--out", str(tmp_path / "o.txt")), ".npy or .npz")
+    assert_clean_failure(run("encode", str(pngs[0]), "--model", str(tmp_path), "--out", str(tmp_path / "o.npy")),
+                         "config.json")
+    assert not list(tmp_path.glob("o.*")) and not list(tmp_path.glob(".o.*"))
+
+
+def test_text_only_and_broken_checkpoints(tmp_path, pngs):
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=4, layout="vision-only")
+    (ckpt / "config.json").write_text('{"model_type": "glm5_next", "text_config": {}}')
+    assert_clean_failure(run("info", "--model", str(ckpt)), "text-only")
+    (ckpt / "config.json").write_text('{"model_type": "glm5_next_vision", "depth": 3}')
+    assert_clean_failure(run("encode", str(pngs[0]), "--model", str(ckpt), "--out", str(tmp_path / "o.npy")),
+                         "14 missing", "visual.blocks.2.norm1.weight")
+
+
+def test_failed_run_leaves_an_existing_output_untouched(tmp_path, tiny_ckpt, pngs):
+    out = tmp_path / "keep.npy"
+    out.write_bytes(b"precious")
+    proc = run("encode", str(pngs[0]), str(tmp_path / "missing.png"), "--model", str(tiny_ckpt),
+               "--out", str(tmp_path / "keep.npz"), "--backend", "numpy")
+    assert_clean_failure(proc, "missing.png")
+    proc = run("encode", str(tmp_path / "missing.png"), "--model", str(tiny_ckpt), "--out", str(out),
+               "--backend", "numpy")
+    assert_clean_failure(proc, "missing.png")
+    assert out.read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.npy"]
+
+
+def test_info_reads_headers_only(tiny_ckpt):
+    proc = run("info", "--model", str(tiny_ckpt))
+    assert proc.returncode == 0, proc.stderr
+    assert "39 BF16" in proc.stdout and "model-00001-of-00003.safetensors" in proc.stdout
+    assert "1 other shard(s) not opened" in proc.stdout and "p_max" in proc.stdout
+
+
+def test_help_explains_each_command():
+    for command in ("encode", "info", "make-checkpoint"):
+        proc = run(command, "--help")
+        assert proc.returncode == 0 and "Usage:" in proc.stdout
