@@ -8,11 +8,12 @@ half of transformers' at 2044x2044 (see BENCHMARKS.md):
 
   slab      block phase (x 24)                      merger phase (after the last block)
   resid     residual stream, f32 [P, h]             merger proj out, then pooler_output, f32 [M, out]
-  normed    norm output / attention output, bf16    im2col [M, 4h], then LayerNorm+GELU out [M, out]
+  normed    norm output / attention output, bf16    post-norm output, then LayerNorm+GELU out [M, out]
   qkv       pixels bf16 [P, patch_dim], then QKV    last_hidden_state f32 [M, out] + its bf16 copy
             bf16 [P, 3h] (q, k normed + roped)
-  mlp       gate|up of a chunk of rows, bf16        merger gate|up of a chunk of rows
-            [MLP_CHUNK, 2 x inter] (act in place)   [merger chunk, 2 x projection]
+  mlp       gate|up of a chunk of rows, bf16        im2col [M, 4h] (read by the downsample GEMM),
+            [MLP_CHUNK, 2 x inter] (act in place)   then merger gate|up of a chunk of rows
+                                                    [merger chunk, 2 x projection]
   rope      cos, sin f32 [P, hd/2]                  -
   index     positions int32 [P, 2], flash work list -
   workspace cuBLAS's workspace (given to the handle)  the same
@@ -22,7 +23,9 @@ buf_qr/buf_kr/buf_vt -> qkv, buf_o_stage -> normed, buf_rope_cos/sin -> rope_cos
 buf_merge_a/b/g/u -> normed/qkv/mlp views, buf_out -> pooler. buf_scores/buf_probs (the
 [P, P] score matrix) exist only with attention="naive"; the flash path needs none.
 P = p_max, M = p_max / 4. The MLP runs in row chunks so its 2 x intermediate-wide product
-never needs P rows.
+never needs P rows. A kernel never reads and writes the same slab unless each thread writes
+only what it read itself (the in-place swiglu, qknorm_rope, the pending-bias norm): the
+im2col permutes rows across threads, so its output cannot sit on its input's slab.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
     max_tiles = p // 128 + p // geo.merge_unit  # every segment adds at most one partial tile
     slabs = {
         "resid": _round(max(4 * p * h, 4 * m * o)),
-        "normed": _round(max(2 * p * h, 2 * m * geo.merge_unit * h, 2 * m * o)),
+        "normed": _round(max(2 * p * h, 2 * m * o)),
         "qkv": _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o)),
-        "mlp": _round(max(mlp_bytes, merger_rows * 2 * geo.projection_intermediate_size * 2)),
+        "mlp": _round(max(mlp_bytes, merger_rows * 2 * geo.projection_intermediate_size * 2,
+                          2 * m * geo.merge_unit * h)),
         "rope": _round(2 * 4 * p * (geo.head_dim // 2)),
         "index": _round(4 * 2 * p) + _round(16 * max_tiles),
         "workspace": CUBLAS_WORKSPACE,
@@ -105,7 +109,7 @@ class GlmVitScratch:
         self.positions = view("index", cupy.int32, (p, 2))
         self.tiles = view("index", cupy.int32, (plan.max_tiles, 4), _round(4 * 2 * p))
         # merger phase
-        self.merge_a = view("normed", bf16, (m, geo.merge_unit * h))
+        self.merge_a = view("mlp", bf16, (m, geo.merge_unit * h))
         self.merge_y = view("normed", bf16, (m, o))
         self.last_hidden = view("qkv", cupy.float32, (m, o))
         self.last_hidden_bf16 = view("qkv", bf16, (m, o), 4 * m * o)
