@@ -1,4 +1,5 @@
-// flash_attention.cu — fused varlen attention: softmax(q k^T * hd^-0.5) v within each segment
+// flash_attention.cu — fused varlen attention for any GPU from sm_80 (mma.sync; Hopper runs
+// flash_attention_sm90.cu instead): softmax(q k^T * hd^-0.5) v within each segment
 // (one per image frame), in one launch for a whole batch, never materialising the scores.
 //
 // Shape: one CTA of 4 warps per (128-query tile, head); each warp owns 32 query rows (two m16
@@ -22,24 +23,15 @@
 // Input: the QKV buffer [P, 3, heads, HD] after qknorm_rope (row stride 3 * heads * HD).
 // Output: [P, heads * HD]. Reference: segment_attention in reference.py; cross-check: the
 // naive path (cuBLAS score GEMM + softmax.cu + cuBLAS PV GEMM).
-#include "common.cuh"
+#include "attention.cuh"
 
 namespace {
+
+using namespace attn;
 
 constexpr int BM = 128;   // queries per CTA
 constexpr int BN = 64;    // keys per pipeline stage
 constexpr int THREADS = 128;
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -58,32 +50,9 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][HD] tile.
-template <int HD>
-__device__ __forceinline__ int swz(int row, int chunk) { return row * HD + ((chunk ^ (row & 7)) << 3); }
-
-// Copy `ROWS` rows of HD values (global row stride `ld`) into a swizzled tile; rows at or past
-// `valid` are zero-filled (src-size 0 reads nothing).
-template <int ROWS, int HD>
-__device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long ld, int valid) {
-    constexpr int CHUNKS = HD / 8;
-    #pragma unroll
-    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
-        const int row = i / CHUNKS, chunk = i % CHUNKS;
-        const bool ok = row < valid;
-        cp_async_16(tile + swz<HD>(row, chunk), src + (ok ? row * ld + chunk * 8 : 0), ok ? 16 : 0);
-    }
-}
-
 template <int HD>
 __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf16* __restrict__ out,
                                                 const int4* __restrict__ tiles, int heads, float scale_log2) {
-    static_assert(HD % 64 == 0, "the row swizzle needs at least 8 16-byte chunks a row");
     constexpr int MT = 2;         // m16 tiles per warp (32 query rows)
     constexpr int KQ = HD / 16;   // k16 steps over the head dim (S = Q K^T)
     constexpr int NS = BN / 8;    // n8 tiles of S per key tile
@@ -106,9 +75,9 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;  // the mma fragment's row group and column pair
 
-    load_tile<BM, HD>(sQ, gQ, ld, min(BM, seg_len - q0));
-    load_tile<BN, HD>(sK, gK, ld, min(BN, seg_len));
-    load_tile<BN, HD>(sV, gV, ld, min(BN, seg_len));
+    load_tile<BM, HD, THREADS>(sQ, gQ, ld, min(BM, seg_len - q0));
+    load_tile<BN, HD, THREADS>(sK, gK, ld, min(BN, seg_len));
+    load_tile<BN, HD, THREADS>(sV, gV, ld, min(BN, seg_len));
     cp_async_commit();
 
     unsigned qf[MT][KQ][4];
@@ -126,8 +95,8 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
         const int buf = kt & 1;
         if (kt + 1 < n_tiles) {  // prefetch the next key tile into the other buffer
             const int valid = min(BN, seg_len - (kt + 1) * BN);
-            load_tile<BN, HD>(sK + (buf ^ 1) * BN * HD, gK + (long long)(kt + 1) * BN * ld, ld, valid);
-            load_tile<BN, HD>(sV + (buf ^ 1) * BN * HD, gV + (long long)(kt + 1) * BN * ld, ld, valid);
+            load_tile<BN, HD, THREADS>(sK + (buf ^ 1) * BN * HD, gK + (long long)(kt + 1) * BN * ld, ld, valid);
+            load_tile<BN, HD, THREADS>(sV + (buf ^ 1) * BN * HD, gV + (long long)(kt + 1) * BN * ld, ld, valid);
         }
         cp_async_commit();
         cp_async_wait<1>();  // everything but the prefetch just issued has landed
@@ -162,62 +131,20 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
                 }
             }
 
-        // Keys past the segment end (last tile only) take no weight.
-        const int key0 = kt * BN;
-        if (key0 + BN > seg_len) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int n = 0; n < NS; ++n)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (key0 + n * 8 + 2 * t + (e & 1) >= seg_len) s[mt][n][e] = neg_inf();
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            mask_tail(s[mt], kt * BN, seg_len, t);
+            online_softmax(s[mt], o[mt], m_run[mt], l_run[mt], scale_log2);
         }
 
-        // Online softmax. A row's 64 scores are spread over the 4 lanes of a quad (same g):
-        // reduce the max across them; the sum stays per lane until the end.
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = m_run[mt][r];
-                #pragma unroll
-                for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float corr = exp2f((m_run[mt][r] - mx) * scale_log2);  // 0 on the first tile
-                const float base = mx * scale_log2;
-                m_run[mt][r] = mx;
-                float sum = 0.f;
-                #pragma unroll
-                for (int n = 0; n < NS; ++n) {
-                    s[mt][n][2 * r] = exp2f(fmaf(s[mt][n][2 * r], scale_log2, -base));
-                    s[mt][n][2 * r + 1] = exp2f(fmaf(s[mt][n][2 * r + 1], scale_log2, -base));
-                    sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-                }
-                l_run[mt][r] = l_run[mt][r] * corr + sum;
-                #pragma unroll
-                for (int n = 0; n < NO; ++n) {
-                    o[mt][n][2 * r] *= corr;
-                    o[mt][n][2 * r + 1] *= corr;
-                }
-            }
-
-        // O += P V. Key step kk covers S n-tiles 2kk and 2kk+1: their C fragments are exactly
-        // the A fragment of P (rows g / g+8, keys 2t.. / 8+2t..). One ldmatrix.x4.trans gives B
-        // fragments for two n8 tiles of the head dim: (keys +0..7, dims lo), (+8..15, lo),
-        // (+0..7, dims hi), (+8..15, hi).
+        // O += P V. One ldmatrix.x4.trans gives B fragments for two n8 tiles of the head dim:
+        // (keys +0..7, dims lo), (+8..15, lo), (+0..7, dims hi), (+8..15, hi).
         const bf16* v_tile = sV + buf * BN * HD;
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             unsigned a[MT][4];
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+            for (int mt = 0; mt < MT; ++mt) p_fragment(a[mt], s[mt], kk);
             #pragma unroll
             for (int n = 0; n < NO; n += 2) {
                 unsigned b[4];
@@ -232,23 +159,9 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
         __syncthreads();  // this buffer is the target of the prefetch two iterations on
     }
 
-    // Normalise and store the rows that belong to the segment.
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float l = l_run[mt][r];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = 1.f / l;
-            const int q = q0 + warp * 32 + mt * 16 + g + 8 * r;
-            if (q < seg_len) {
-                bf16* dst = out + (long long)(seg_start + q) * h + head * HD + 2 * t;
-                #pragma unroll
-                for (int n = 0; n < NO; ++n)
-                    *reinterpret_cast<unsigned*>(dst + n * 8) = pack_bf16(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
-            }
-        }
+        store_rows(o[mt], l_run[mt], out, seg_start, seg_len, q0 + warp * 32 + mt * 16, h, head, g, t);
 }
 
 }  // namespace

@@ -1,10 +1,11 @@
 // norms.cu — the tower's two normalisations, one row per block, statistics in float32.
 //
-// rmsnorm_bias: weight-only RMSNorm, w * x / sqrt(mean(x^2) + eps), over the float32
-//   residual stream. It first adds a PENDING bias to the residual in place: the GEMM that
-//   wrote the residual (patch embed, attention proj, MLP down; cuBLAS accumulates straight
-//   into the float32 stream with beta = 1) cannot add a bias itself, and this kernel reads
-//   the row anyway. bias == nullptr skips that. Output: BF16, the next GEMM's operand.
+// rmsnorm_bias: weight-only RMSNorm, w * v / sqrt(mean(v^2) + eps), of v = x + b: x is the
+//   float32 residual stream WITHOUT the biases of the GEMMs that accumulate into it (patch
+//   embed, attention proj, MLP down: cuBLAS adds into the stream with beta = 1 and cannot add
+//   a bias), b the float32 running sum of those biases, precomputed at load. So no kernel
+//   ever rewrites the stream to add a bias: this one reads the row and b, and writes only its
+//   BF16 output, the next GEMM's operand.
 // layernorm_gelu: the merger's mean-subtracting, biased LayerNorm followed by exact (erf)
 //   GELU, float32 in, BF16 out.
 // Rows are re-read from L1/L2 between passes rather than cached in registers, so one kernel
@@ -12,25 +13,24 @@
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
-rmsnorm_bias(float* __restrict__ x, const bf16* __restrict__ bias, const bf16* __restrict__ w,
+rmsnorm_bias(const float* __restrict__ x, const float* __restrict__ bias, const bf16* __restrict__ w,
              bf16* __restrict__ out, int n, float eps) {
     __shared__ float red[8];
-    float* row = x + (long long)blockIdx.x * n;
+    const float* row = x + (long long)blockIdx.x * n;
     float ss = 0.f;
     for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) {
-        float4 v = *reinterpret_cast<float4*>(row + i);
-        if (bias != nullptr) {
-            float4 b = load4_bf16(bias + i);
-            v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
-            *reinterpret_cast<float4*>(row + i) = v;
-        }
+        float4 v = *reinterpret_cast<const float4*>(row + i);
+        const float4 b = *reinterpret_cast<const float4*>(bias + i);
+        v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     const float r = rsqrtf(block_reduce<false>(ss, red) / n + eps);
     bf16* o = out + (long long)blockIdx.x * n;
     for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) {
-        float4 v = *reinterpret_cast<float4*>(row + i);
-        float4 g = load4_bf16(w + i);
+        float4 v = *reinterpret_cast<const float4*>(row + i);
+        const float4 b = *reinterpret_cast<const float4*>(bias + i);
+        v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
+        const float4 g = load4_bf16(w + i);
         *reinterpret_cast<uint2*>(o + i) = pack4_bf16(v.x * r * g.x, v.y * r * g.y, v.z * r * g.z, v.w * r * g.w);
     }
 }

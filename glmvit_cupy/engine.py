@@ -4,10 +4,11 @@ It computes what `reference.py` states, step for step and under the same names; 
 differences are where the data lives and how it is rounded:
 - Weights are the checkpoint's BF16 bits, uploaded once as one arena (no float32 copy of
   the tower on the device). GEMM operands are BF16, accumulation FP32.
-- The residual stream stays float32. The attention proj and MLP down GEMMs accumulate into
-  it directly (beta = 1), so their biases are added by the next norm kernel, which reads the
-  row anyway ("pending bias"); the qkv and gate|up biases are added by the kernels that
-  consume those products.
+- The residual stream stays float32. The patch embed, attention proj and MLP down GEMMs
+  write or accumulate into it directly (beta = 1), bias-free: the stream holds x minus the
+  running sum of those biases, and each norm kernel adds that sum (precomputed at load, one
+  float32 vector per norm) as it reads the row. The qkv and gate|up biases are added by the
+  kernels that consume those products.
 - Attention is the fused flash kernel (default) or the seed's materialised path
   (attention="naive": f32 score GEMM, softmax_rows, PV GEMM) kept as the cross-check.
 - Memory is the preallocated `GlmVitScratch`, allocated on the first image.
@@ -30,7 +31,7 @@ from .cublas import Cublas
 from .errors import GlmVitError
 from .kernels import FLASH_BM, FLASH_HEAD_DIMS, Kernels
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
-from .reference import LAYERNORM_EPS
+from .reference import LAYERNORM_EPS, bf16_to_f32
 from .scratch import GlmVitScratch, scratch_plan
 
 ATTENTION = ("auto", "flash", "naive")
@@ -41,6 +42,21 @@ def flash_work_list(segments: np.ndarray) -> np.ndarray:
     """One int4 {segment start, length, first query, 0} per 128-query tile of each segment."""
     rows = [(start, length, q0, 0) for start, length in segments.tolist() for q0 in range(0, length, FLASH_BM)]
     return np.array(rows, dtype=np.int32)
+
+
+def bias_sums(weights: TowerWeights) -> np.ndarray:
+    """The biases missing from the residual stream at each norm, float32 [2 x depth + 1, h]:
+    before block i's norm1 (row 2i), its norm2 (2i + 1), and the post-layernorm (last)."""
+    depth = weights.location.geometry.depth
+    total = bf16_to_f32(weights.raw("patch_embed.proj.bias")).copy()
+    rows = []
+    for i in range(depth):
+        rows.append(total.copy())
+        total += bf16_to_f32(weights.raw(f"blocks.{i}.attn.proj.bias"))
+        rows.append(total.copy())
+        total += bf16_to_f32(weights.raw(f"blocks.{i}.mlp.down_proj.bias"))
+    rows.append(total)
+    return np.stack(rows)
 
 
 class CupyTower:
@@ -73,6 +89,8 @@ class CupyTower:
             return self.arena[start:start + raw.size].reshape(raw.shape)
 
         self.w: GlmVitTensors[cupy.ndarray] = structure(weights, on_device)
+        with self.stream:
+            self.shifts = cupy.asarray(bias_sums(weights))  # [2 * depth + 1, h], see bias_sums
         self.k = Kernels()
         self.blas = Cublas(self.stream)
         self.scratch: GlmVitScratch | None = None
@@ -144,21 +162,19 @@ class CupyTower:
         cos, sin = s.rope_cos[:p], s.rope_sin[:p]
 
         k.rope_tables(s.positions[:p], self.inv_freq, cos, sin)  # step 4's angles
-        blas.linear(resid, s.pixels[:p], w.patch_embed_w)  # step 1 (its bias is pending)
-        pending = w.patch_embed_b
+        blas.linear(resid, s.pixels[:p], w.patch_embed_w)  # step 1 (bias: in self.shifts)
         mark("patch_embed")
-        for blk in w.blocks:  # step 5
-            k.rmsnorm_bias(resid, pending, blk.norm1_w, normed, eps)
+        for i, blk in enumerate(w.blocks):  # step 5
+            k.rmsnorm_bias(resid, self.shifts[2 * i], blk.norm1_w, normed, eps)
             blas.linear(qkv, normed, blk.qkv_w)
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
             self._attention(qkv, normed, segments, n_tiles)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
             mark("attention")
-            k.rmsnorm_bias(resid, blk.proj_b, blk.norm2_w, normed, eps)
+            k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
             self._mlp(normed, resid, blk.gate_up_w, blk.gate_up_b, blk.down_w, s.mlp, accumulate=True)
-            pending = blk.down_b
             mark("mlp")
-        self._merger(p, pending)
+        self._merger(p)
         mark("merger")
 
     def _attention(self, qkv: cupy.ndarray, out: cupy.ndarray, segments: np.ndarray, n_tiles: int) -> None:
@@ -190,10 +206,10 @@ class CupyTower:
             self.k.swiglu_clamp(gate_up, gate_up_b, self.geo.swiglu_limit)
             self.blas.linear(out[r0:r0 + rows], gate_up[:, :inter], down_w, accumulate=accumulate)
 
-    def _merger(self, p: int, pending) -> None:
+    def _merger(self, p: int) -> None:
         geo, s, k, blas, mw = self.geo, self.scratch, self.k, self.blas, self.w.merger
         m = p // geo.merge_unit
-        k.rmsnorm_bias(s.resid[:p], pending, mw.post_layernorm_w, s.normed[:p], geo.rms_norm_eps)  # step 6
+        k.rmsnorm_bias(s.resid[:p], self.shifts[-1], mw.post_layernorm_w, s.normed[:p], geo.rms_norm_eps)  # step 6
         k.im2col_2x2(s.normed[:p], s.merge_a[:m])  # step 7
         blas.linear(s.last_hidden[:m], s.merge_a[:m], mw.downsample_w)
         k.bias_to_bf16(s.last_hidden[:m], mw.downsample_b, s.last_hidden_bf16[:m])

@@ -1,11 +1,12 @@
 """Load `cuda_src/*.cu` as CuPy RawModules and launch their kernels with explicit geometry.
 
 One loader for every file (httomolibgpu's pattern): the source is read from the package
-data (or the repository checkout), `#include "common.cuh"` is pasted in place so CuPy's
-on-disk compile cache keys on the full text, and a `#line` directive makes compiler errors
-point into the right file. NVRTC compiles for the current device's architecture. Every
-module is built once per process, at load (`Kernels()`), so the first image never waits on
-a compile; later processes hit CuPy's cache.
+data (or the repository checkout), each `#include "x.cuh"` of ours is pasted in place so
+CuPy's on-disk compile cache keys on the full text, and `#line` directives make compiler
+errors point into the right file. NVRTC compiles for the current device's architecture,
+or for the one a file names in a `// requires: sm_90a` line (wgmma needs the "a" target).
+Every module is built once per process, at load (`Kernels()`), so the first image never
+waits on a compile; later processes hit CuPy's cache.
 
 Each launcher states its grid, block and shared memory and takes CuPy arrays whose shapes
 the engine guarantees; the kernels' own files say why they are shaped the way they are.
@@ -13,21 +14,23 @@ the engine guarantees; the kernels' own files say why they are shaped the way th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import cupy
 import numpy as np
 
-HEADER = "common.cuh"
-FLASH_HEAD_DIMS = (64,)  # head dims flash_attention.cu is instantiated for
-FLASH_BM, FLASH_BN = 128, 64  # its query and key tile sizes
+FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
+FLASH_BM, FLASH_BN = 128, 64  # their query and key tile sizes
+_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
+_REQUIRES = re.compile(r"^// requires: (sm_\w+)$", re.M)
 
 
 def cuda_source_dir() -> Path:
     """The installed package data, else the repository's top-level cuda_src/."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "cuda_src", here.parent / "cuda_src"):
-        if (candidate / HEADER).is_file():
+        if (candidate / "common.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"cuda_src/ not found beside {here}: the package is installed without its kernels")
 
@@ -36,15 +39,31 @@ def cuda_sources() -> list[Path]:
     return sorted(cuda_source_dir().glob("*.cu"))
 
 
-def load_source(path: Path) -> str:
-    header = path.parent / HEADER
-    text = path.read_text()
-    pasted = f'#line 1 "{header}"\n{header.read_text()}\n#line 1 "{path}"\n'
-    return f'#line 1 "{path}"\n' + text.replace(f'#include "{HEADER}"', pasted, 1)
+def load_source(path: Path, pasted: set[str] | None = None) -> str:
+    """The file's text with our headers pasted in (each once), under #line directives."""
+    pasted = set() if pasted is None else pasted
+
+    def paste(match: re.Match) -> str:
+        name = match.group(1)
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return f"{load_source(path.parent / name, pasted)}\n#line {path.read_text().count(chr(10), 0, match.end()) + 1} \"{path}\""
+
+    return f'#line 1 "{path}"\n' + _INCLUDE.sub(paste, path.read_text())
+
+
+def required_arch(path: Path) -> str | None:
+    """The target a file demands (`// requires: sm_90a`), or None for the device's own."""
+    found = _REQUIRES.search(path.read_text())
+    return found.group(1) if found else None
 
 
 def _module(name: str) -> cupy.RawModule:
-    return cupy.RawModule(code=load_source(cuda_source_dir() / f"{name}.cu"), options=("--std=c++17",))
+    path = cuda_source_dir() / f"{name}.cu"
+    arch = required_arch(path)
+    options = ("--std=c++17",) + ((f"-arch={arch}",) if arch else ())
+    return cupy.RawModule(code=load_source(path), options=options)
 
 
 def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
@@ -55,24 +74,28 @@ class Kernels:
     """Every kernel the engine launches, compiled at construction."""
 
     def __init__(self) -> None:
-        mods = {name: _module(name) for name in
-                ("convert", "norms", "rope", "mlp", "merge", "softmax", "flash_attention")}
-        f = {name: mods[mod].get_function(name) for mod, names in {
-            "convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
-            "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
-            "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
-            "flash_attention": ("flash_attention_hd64",)}.items() for name in names}
-        self._f = f
+        # Hopper runs the wgmma flash kernel; every other GPU the mma.sync one.
+        self.hopper = cupy.cuda.Device().compute_capability == "90"
+        flash = "flash_attention_sm90" if self.hopper else "flash_attention"
+        names = {"convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
+                 "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
+                 "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
+                 flash: (f"{flash}_hd64",)}
+        self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
+        self._flash = self._f[f"{flash}_hd64"]
+        # 1 KiB of slack lets the sm90 kernel align its tiles to the 1024-byte swizzle atom.
+        self._flash_smem = (FLASH_BM + 4 * FLASH_BN) * 64 * 2 + (1024 if self.hopper else 0)
+        self._flash_threads = 256 if self.hopper else 128
+        self._flash.max_dynamic_shared_size_bytes = self._flash_smem
 
     def f32_to_bf16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
         n4 = src.size // 4
         self._f["f32_to_bf16"](_grid(n4, 256), (256,), (src, dst, np.int64(n4)))
 
-    def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray | None, w: cupy.ndarray,
-                     out: cupy.ndarray, eps: float) -> None:
+    def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,
+                     eps: float) -> None:
         rows, n = x.shape
-        self._f["rmsnorm_bias"]((rows,), (256,), (x, bias if bias is not None else np.uint64(0), w, out,
-                                                  np.int32(n), np.float32(eps)))
+        self._f["rmsnorm_bias"]((rows,), (256,), (x, bias, w, out, np.int32(n), np.float32(eps)))
 
     def layernorm_gelu(self, x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
                        eps: float) -> None:
@@ -113,8 +136,7 @@ class Kernels:
 
     def flash_attention(self, qkv: cupy.ndarray, out: cupy.ndarray, tiles: cupy.ndarray, n_tiles: int,
                         heads: int, head_dim: int) -> None:
+        assert head_dim in FLASH_HEAD_DIMS
         scale_log2 = head_dim ** -0.5 * float(np.log2(np.e))
-        smem = (FLASH_BM + 4 * FLASH_BN) * head_dim * 2
-        self._f[f"flash_attention_hd{head_dim}"]((n_tiles, heads), (128,),
-                                                 (qkv, out, tiles, np.int32(heads), np.float32(scale_log2)),
-                                                 shared_mem=smem)
+        self._flash((n_tiles, heads), (self._flash_threads,),
+                    (qkv, out, tiles, np.int32(heads), np.float32(scale_log2)), shared_mem=self._flash_smem)

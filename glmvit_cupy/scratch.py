@@ -24,7 +24,7 @@ buf_merge_a/b/g/u -> normed/qkv/mlp views, buf_out -> pooler. buf_scores/buf_pro
 [P, P] score matrix) exist only with attention="naive"; the flash path needs none.
 P = p_max, M = p_max / 4. The MLP runs in row chunks so its 2 x intermediate-wide product
 never needs P rows. A kernel never reads and writes the same slab unless each thread writes
-only what it read itself (the in-place swiglu, qknorm_rope, the pending-bias norm): the
+only what it read itself (the in-place swiglu and qknorm_rope): the
 im2col permutes rows across threads, so its output cannot sit on its input's slab.
 """
 

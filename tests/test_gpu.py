@@ -137,17 +137,16 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
         segments = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths], axis=-1)
         qkv = cupy.asarray(rng.standard_normal((p, 3 * h), dtype=np.float32) * 1.5).astype(cupy.float32)
         qkv_bf16 = _to_bf16(qkv)
-        s = tower._scratch()
-        tiles = flash_work_list(segments)
-        s.tiles[:len(tiles)].set(tiles)
-        flash = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)
-        tower.k.flash_attention(qkv_bf16, flash, s.tiles, len(tiles), heads, hd)
+        flash = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)  # NaN: unwritten rows show
         naive_out = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)
-        naive_tower = naive_vit.tower
-        naive_tower._scratch()
-        with naive_tower.stream:
-            naive_tower._attention(qkv_bf16, naive_out, segments, 0)
-        cupy.cuda.runtime.deviceSynchronize()
+        tiles = flash_work_list(segments)
+        cupy.cuda.runtime.deviceSynchronize()  # the towers' streams do not wait on the null stream
+        for engine, out in ((tower, flash), (naive_vit.tower, naive_out)):
+            s = engine._scratch()
+            with engine.stream:
+                s.tiles[:len(tiles)].set(tiles, stream=engine.stream)
+                engine._attention(qkv_bf16, out, segments, len(tiles))
+            engine.stream.synchronize()
         q32 = _from_bf16(qkv_bf16)
         errs = {"flash": [], "naive": []}
         for start, length in segments.tolist():

@@ -1,0 +1,134 @@
+// attention.cuh — the pieces both flash-attention kernels share (flash_attention.cu: mma.sync,
+// any GPU from sm_80; flash_attention_sm90.cu: wgmma, Hopper): the work list, the swizzled
+// shared-memory tiles and their cp.async loads, and the online softmax on the accumulator
+// fragment layout, which is the same for mma.sync m16n8 and for each warp of a wgmma m64nN.
+//
+// Fragment layout (per warp, 16 query rows): lane = 4g + t holds, for every n8 column tile
+// j, c[j][0..1] = (row g, cols 8j + 2t, +1) and c[j][2..3] = (row g + 8, same cols).
+//
+// Tiles are [rows][HD] BF16 with 128-byte rows (HD = 64) whose 16-byte chunks are XOR-
+// swizzled by row: chunk c of row r lives at chunk c ^ (r & 7). That is the hardware's 128B
+// swizzle (address bits [4:6] ^= bits [7:9]) when the tile starts 1024-byte aligned, so the
+// same layout serves ldmatrix without bank conflicts and wgmma's swizzled descriptors.
+#pragma once
+#include "common.cuh"
+
+namespace attn {
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// 2^x with denormal results flushed to zero: one MUFU op (exp2f adds denormal handling).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][HD] tile.
+template <int HD>
+__device__ __forceinline__ int swz(int row, int chunk) {
+    static_assert(HD == 64, "the 128B swizzle is written for 128-byte rows");
+    return row * HD + ((chunk ^ (row & 7)) << 3);
+}
+
+// Copy ROWS rows of HD values (global row stride `ld`) into a swizzled tile with cp.async;
+// rows at or past `valid` are zero-filled (src-size 0 reads nothing).
+template <int ROWS, int HD, int THREADS>
+__device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long ld, int valid) {
+    constexpr int CHUNKS = HD / 8;
+    #pragma unroll
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+        const int row = i / CHUNKS, chunk = i % CHUNKS;
+        const bool ok = row < valid;
+        cp_async_16(tile + swz<HD>(row, chunk), src + (ok ? row * ld + chunk * 8 : 0), ok ? 16 : 0);
+    }
+}
+
+// Keys at or past the segment end take no weight (only the last key tile has any).
+template <int NS>
+__device__ __forceinline__ void mask_tail(float (&s)[NS][4], int key0, int seg_len, int t) {
+    if (key0 + NS * 8 <= seg_len) return;
+    #pragma unroll
+    for (int n = 0; n < NS; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (key0 + n * 8 + 2 * t + (e & 1) >= seg_len) s[n][e] = neg_inf();
+}
+
+// One key tile of the online softmax for a warp's 16 rows: update the running max (reduced
+// over the quad of lanes sharing a row), turn s into p = 2^(s*c - max*c) in place (c is the
+// softmax scale times log2 e), rescale the running sum and the output accumulator.
+template <int NS, int NO>
+__device__ __forceinline__ void online_softmax(float (&s)[NS][4], float (&o)[NO][4], float (&m_run)[2],
+                                               float (&l_run)[2], float scale_log2) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = m_run[r];
+        #pragma unroll
+        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float corr = exp2_ftz((m_run[r] - mx) * scale_log2);  // 0 on the first tile
+        const float base = mx * scale_log2;
+        m_run[r] = mx;
+        float sum = 0.f;
+        #pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            s[n][2 * r] = exp2_ftz(fmaf(s[n][2 * r], scale_log2, -base));
+            s[n][2 * r + 1] = exp2_ftz(fmaf(s[n][2 * r + 1], scale_log2, -base));
+            sum += s[n][2 * r] + s[n][2 * r + 1];
+        }
+        l_run[r] = l_run[r] * corr + sum;  // per lane; summed over the quad at the end
+        #pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            o[n][2 * r] *= corr;
+            o[n][2 * r + 1] *= corr;
+        }
+    }
+}
+
+// P for key step kk (keys 16kk..16kk+15) as an m16k16 A fragment: the C fragments of S
+// n-tiles 2kk and 2kk+1 are exactly its rows g / g+8, cols 2t.. / 8+2t.., rounded to BF16.
+template <int NS>
+__device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[NS][4], int kk) {
+    a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Divide by the row sums and store the warp's rows q_first + g (+8) that lie in the segment.
+template <int NO>
+__device__ __forceinline__ void store_rows(const float (&o)[NO][4], const float (&l_run)[2], bf16* out,
+                                           int seg_start, int seg_len, int q_first, int h, int head, int g, int t) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = 1.f / l;
+        const int q = q_first + g + 8 * r;
+        if (q < seg_len) {
+            bf16* dst = out + (long long)(seg_start + q) * h + head * NO * 8 + 2 * t;
+            #pragma unroll
+            for (int n = 0; n < NO; ++n)
+                *reinterpret_cast<unsigned*>(dst + n * 8) = pack_bf16(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        }
+    }
+}
+
+}  // namespace attn
