@@ -44,11 +44,17 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
-// Keep the compiler from moving accumulator reads/writes across the asynchronous MMAs.
+// Keep the compiler from moving register reads/writes across the asynchronous MMAs: operands
+// are pinned here, before wgmma.fence, and accumulators again after the wait.
 __device__ __forceinline__ void fence_regs(float (&d)[8][4]) {
     #pragma unroll
     for (int n = 0; n < 8; ++n)
         asm volatile("" : "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3]) :: "memory");
+}
+__device__ __forceinline__ void fence_regs(unsigned (&a)[4][4]) {
+    #pragma unroll
+    for (int n = 0; n < 4; ++n)
+        asm volatile("" : "+r"(a[n][0]), "+r"(a[n][1]), "+r"(a[n][2]), "+r"(a[n][3]) :: "memory");
 }
 
 #define ACC32(d)                                                                                  \
@@ -126,8 +132,8 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
 
         // S = Q K^T: 4 k16 steps over the head dim; a step is 32 bytes along the swizzled rows.
         const unsigned long long k_desc = descriptor(sK + buf * BN * HD);
-        wgmma_fence();
         fence_regs(s);
+        wgmma_fence();
         #pragma unroll
         for (int ks = 0; ks < HD / 16; ++ks) wgmma_ss(s, q_desc + 2 * ks, k_desc + 2 * ks, ks);
         wgmma_commit();
@@ -142,8 +148,9 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
         unsigned a[BN / 16][4];
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) p_fragment(a[kk], s, kk);
-        wgmma_fence();
+        fence_regs(a);
         fence_regs(o);
+        wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_bt(o, a[kk], v_desc + (unsigned long long)(kk * 2048 >> 4));
         wgmma_commit();

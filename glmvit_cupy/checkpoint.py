@@ -28,6 +28,7 @@ import json
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
@@ -261,32 +262,41 @@ def _arena_layout(location: TowerLocation) -> tuple[dict[str, int], int]:
 
 
 def read_tower(location: TowerLocation) -> TowerWeights:
-    """pread exactly the tower's byte ranges into one uint16 arena."""
+    """pread exactly the tower's byte ranges into one uint16 arena, several tensors at a time
+    (preadv releases the GIL; one thread copies from the page cache at ~5 GB/s, not enough
+    for a 1.05 GiB tower to be ready within a second)."""
     offsets, total = _arena_layout(location)
     arena = np.empty(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2, dtype=np.uint16)
     as_bytes = memoryview(arena).cast("B")
-    bytes_read = 0
-    for shard in location.shards:
-        try:
-            fd = os.open(shard, os.O_RDONLY)
-        except OSError as exc:
-            raise GlmVitError(f"{shard}: cannot open shard: {exc.strerror}") from None
-        try:
-            for name, entry in location.entries.items():
-                if entry.shard != shard:
-                    continue
-                dst = as_bytes[offsets[name] * 2: offsets[name] * 2 + entry.nbytes]
-                done = 0
-                while done < entry.nbytes:
-                    n = os.preadv(fd, [dst[done:]], entry.offset + done)
-                    if n <= 0:
-                        raise GlmVitError(f"{shard}: {location.prefix}.{name} ends early (shard truncated "
-                                          f"after {entry.offset + done} bytes)")
-                    done += n
-                bytes_read += done
-        except OSError as exc:
-            raise GlmVitError(f"{shard}: read failed: {exc.strerror}") from None
-        finally:
+    fds: dict[Path, int] = {}
+
+    def read(name: str) -> int:
+        entry = location.entries[name]
+        dst = as_bytes[offsets[name] * 2: offsets[name] * 2 + entry.nbytes]
+        done = 0
+        while done < entry.nbytes:
+            try:
+                n = os.preadv(fds[entry.shard], [dst[done:]], entry.offset + done)
+            except OSError as exc:
+                raise GlmVitError(f"{entry.shard}: read failed: {exc.strerror}") from None
+            if n <= 0:
+                raise GlmVitError(f"{entry.shard}: {location.prefix}.{name} ends early (shard truncated "
+                                  f"after {entry.offset + done} bytes)")
+            done += n
+        return done
+
+    try:
+        for shard in location.shards:
+            try:
+                fds[shard] = os.open(shard, os.O_RDONLY)
+            except OSError as exc:
+                raise GlmVitError(f"{shard}: cannot open shard: {exc.strerror}") from None
+        # Largest first, so the pool's last task is a small one.
+        names = sorted(location.entries, key=lambda n: -location.entries[n].nbytes)
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            bytes_read = sum(pool.map(read, names))
+    finally:
+        for fd in fds.values():
             os.close(fd)
     return TowerWeights(location, arena, offsets, bytes_read)
 

@@ -13,6 +13,7 @@ probed, so the package and the whole CPU path work without it.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -85,15 +86,17 @@ class GlmVit:
             ok, why = gpu_available()
             backend = "cupy" if ok else "numpy"
             note = f"using the GPU ({why})" if ok else f"{why}: running the NumPy backend on the CPU (slow)"
-        weights = bind_checkpoint(path, max_pixels)
         if backend == "numpy":
             from .reference import NumpyTower
-            return cls(NumpyTower(weights), "numpy", note)
+            return cls(NumpyTower(bind_checkpoint(path, max_pixels)), "numpy", note)
         ok, why = gpu_available()
         if not ok:
             raise GlmVitError(f"backend 'cupy': {why}")
-        from .engine import CupyTower
-        return cls(CupyTower(weights, attention=attention), "cupy", note)
+        from .engine import CupyRuntime, CupyTower
+        with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
+            runtime = pool.submit(CupyRuntime)
+            weights = bind_checkpoint(path, max_pixels)
+            return cls(CupyTower(weights, attention=attention, runtime=runtime.result()), "cupy", note)
 
     @property
     def scratch_bytes(self) -> int:
