@@ -15,6 +15,30 @@
 
 namespace attn {
 
+// One CTA's share of the work: a 128-query tile of one segment (an entry of the host's work
+// list, {segment start row, length, first query row in the segment, unused}) for one head
+// (blockIdx.y), and where that head's Q, K and V columns start in the QKV buffer
+// [P, 3, heads, HD] (row stride `ld`).
+template <int HD>
+struct Work {
+    int seg_start, seg_len, q0, head, h;
+    long long ld;
+    const bf16 *q, *k, *v;
+
+    __device__ __forceinline__ Work(const bf16* qkv, const int4* tiles, int heads) {
+        const int4 entry = tiles[blockIdx.x];
+        seg_start = entry.x;
+        seg_len = entry.y;
+        q0 = entry.z;
+        head = blockIdx.y;
+        h = heads * HD;
+        ld = 3LL * h;
+        q = qkv + (long long)(seg_start + q0) * ld + head * HD;
+        k = qkv + (long long)seg_start * ld + h + head * HD;
+        v = k + h;
+    }
+};
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

@@ -16,10 +16,10 @@
 // Keys past the segment end are zero-filled by cp.async and masked to -inf; query rows past
 // it are computed on zeros and not stored.
 //
-// Work list (`tiles`, int4 per CTA): {segment start row, segment length, first query row in
-// the segment, unused}, built on the host from the segments (engine.py). Segments of one
-// batch may differ in length; each CTA walks only its own segment's keys, in a fixed order,
-// so results do not depend on where an image sits in a batch.
+// Work list (`tiles`, one int4 per CTA; attention.cuh's Work), built on the host from the
+// segments (engine.py). Segments of one batch may differ in length; each CTA walks only its
+// own segment's keys, in a fixed order, so results do not depend on where an image sits in a
+// batch.
 // Input: the QKV buffer [P, 3, heads, HD] after qknorm_rope (row stride 3 * heads * HD).
 // Output: [P, heads * HD]. Reference: segment_attention in reference.py; cross-check: the
 // naive path (cuBLAS score GEMM + softmax.cu + cuBLAS PV GEMM).
@@ -63,21 +63,14 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
     bf16* sK = sQ + BM * HD;      // [2][BN][HD]
     bf16* sV = sK + 2 * BN * HD;  // [2][BN][HD]
 
-    const int4 work = tiles[blockIdx.x];
-    const int seg_start = work.x, seg_len = work.y, q0 = work.z, head = blockIdx.y;
-    const int h = heads * HD;
-    const long long ld = 3LL * h;
-    const bf16* gQ = qkv + (long long)(seg_start + q0) * ld + head * HD;
-    const bf16* gK = qkv + (long long)seg_start * ld + h + head * HD;
-    const bf16* gV = gK + h;
-    const int n_tiles = (seg_len + BN - 1) / BN;
-
+    const Work<HD> w(qkv, tiles, heads);
+    const int n_tiles = (w.seg_len + BN - 1) / BN;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;  // the mma fragment's row group and column pair
 
-    load_tile<BM, HD, THREADS>(sQ, gQ, ld, min(BM, seg_len - q0));
-    load_tile<BN, HD, THREADS>(sK, gK, ld, min(BN, seg_len));
-    load_tile<BN, HD, THREADS>(sV, gV, ld, min(BN, seg_len));
+    load_tile<BM, HD, THREADS>(sQ, w.q, w.ld, min(BM, w.seg_len - w.q0));
+    load_tile<BN, HD, THREADS>(sK, w.k, w.ld, min(BN, w.seg_len));
+    load_tile<BN, HD, THREADS>(sV, w.v, w.ld, min(BN, w.seg_len));
     cp_async_commit();
 
     unsigned qf[MT][KQ][4];
@@ -94,9 +87,9 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
     for (int kt = 0; kt < n_tiles; ++kt) {
         const int buf = kt & 1;
         if (kt + 1 < n_tiles) {  // prefetch the next key tile into the other buffer
-            const int valid = min(BN, seg_len - (kt + 1) * BN);
-            load_tile<BN, HD, THREADS>(sK + (buf ^ 1) * BN * HD, gK + (long long)(kt + 1) * BN * ld, ld, valid);
-            load_tile<BN, HD, THREADS>(sV + (buf ^ 1) * BN * HD, gV + (long long)(kt + 1) * BN * ld, ld, valid);
+            const int valid = min(BN, w.seg_len - (kt + 1) * BN);
+            load_tile<BN, HD, THREADS>(sK + (buf ^ 1) * BN * HD, w.k + (kt + 1) * BN * w.ld, w.ld, valid);
+            load_tile<BN, HD, THREADS>(sV + (buf ^ 1) * BN * HD, w.v + (kt + 1) * BN * w.ld, w.ld, valid);
         }
         cp_async_commit();
         cp_async_wait<1>();  // everything but the prefetch just issued has landed
@@ -133,7 +126,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
 
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            mask_tail(s[mt], kt * BN, seg_len, t);
+            mask_tail(s[mt], kt * BN, w.seg_len, t);
             online_softmax(s[mt], o[mt], m_run[mt], l_run[mt], scale_log2);
         }
 
@@ -161,7 +154,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
 
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-        store_rows(o[mt], l_run[mt], out, seg_start, seg_len, q0 + warp * 32 + mt * 16, h, head, g, t);
+        store_rows(o[mt], l_run[mt], out, w.seg_start, w.seg_len, w.q0 + warp * 32 + mt * 16, w.h, w.head, g, t);
 }
 
 }  // namespace

@@ -95,21 +95,14 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
     bf16* sK = sQ + BM * HD;      // [2][BN][HD]
     bf16* sV = sK + 2 * BN * HD;  // [2][BN][HD]
 
-    const int4 work = tiles[blockIdx.x];
-    const int seg_start = work.x, seg_len = work.y, q0 = work.z, head = blockIdx.y;
-    const int h = heads * HD;
-    const long long ld = 3LL * h;
-    const bf16* gQ = qkv + (long long)(seg_start + q0) * ld + head * HD;
-    const bf16* gK = qkv + (long long)seg_start * ld + h + head * HD;
-    const bf16* gV = gK + h;
-    const int n_tiles = (seg_len + BN - 1) / BN;
-
+    const Work<HD> w(qkv, tiles, heads);
+    const int n_tiles = (w.seg_len + BN - 1) / BN;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
 
-    load_tile<BM, HD, THREADS>(sQ, gQ, ld, min(BM, seg_len - q0));
-    load_tile<BN, HD, THREADS>(sK, gK, ld, min(BN, seg_len));
-    load_tile<BN, HD, THREADS>(sV, gV, ld, min(BN, seg_len));
+    load_tile<BM, HD, THREADS>(sQ, w.q, w.ld, min(BM, w.seg_len - w.q0));
+    load_tile<BN, HD, THREADS>(sK, w.k, w.ld, min(BN, w.seg_len));
+    load_tile<BN, HD, THREADS>(sV, w.v, w.ld, min(BN, w.seg_len));
     cp_async_commit();
 
     const unsigned long long q_desc = descriptor(sQ + wg * 64 * HD);
@@ -121,9 +114,9 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
     for (int kt = 0; kt < n_tiles; ++kt) {
         const int buf = kt & 1;
         if (kt + 1 < n_tiles) {
-            const int valid = min(BN, seg_len - (kt + 1) * BN);
-            load_tile<BN, HD, THREADS>(sK + (buf ^ 1) * BN * HD, gK + (long long)(kt + 1) * BN * ld, ld, valid);
-            load_tile<BN, HD, THREADS>(sV + (buf ^ 1) * BN * HD, gV + (long long)(kt + 1) * BN * ld, ld, valid);
+            const int valid = min(BN, w.seg_len - (kt + 1) * BN);
+            load_tile<BN, HD, THREADS>(sK + (buf ^ 1) * BN * HD, w.k + (kt + 1) * BN * w.ld, w.ld, valid);
+            load_tile<BN, HD, THREADS>(sV + (buf ^ 1) * BN * HD, w.v + (kt + 1) * BN * w.ld, w.ld, valid);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -140,7 +133,7 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
         wgmma_wait_all();
         fence_regs(s);
 
-        mask_tail(s, kt * BN, seg_len, t);
+        mask_tail(s, kt * BN, w.seg_len, t);
         online_softmax(s, o, m_run, l_run, scale_log2);
 
         // O += P V: 4 k16 steps over the keys; a step is 16 rows of V = 2048 bytes.
@@ -158,5 +151,5 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
         fence_regs(o);
         __syncthreads();  // both warpgroups are done with this buffer before it is refilled
     }
-    store_rows(o, l_run, out, seg_start, seg_len, q0 + wg * 64 + warp * 16, h, head, g, t);
+    store_rows(o, l_run, out, w.seg_start, w.seg_len, w.q0 + wg * 64 + warp * 16, w.h, w.head, g, t);
 }

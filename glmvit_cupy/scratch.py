@@ -87,7 +87,6 @@ class GlmVitScratch:
         import cupy
 
         self.plan = plan
-        self.bytes = plan.total_bytes + (plan.naive_bytes if naive else 0)
         self.slabs = slab = {name: cupy.empty(size, dtype=cupy.uint8) for name, size in plan.slabs.items()}
         p, h, o, m = plan.p_max, geo.hidden_size, geo.out_hidden_size, plan.p_max // geo.merge_unit
         hd2 = geo.head_dim // 2
