@@ -102,7 +102,6 @@ class TensorEntry:
 class TowerLocation:
     """What `locate_tower` found: where each tower tensor's bytes are. No data read yet."""
 
-    directory: Path
     geometry: GlmVitGeometry
     prefix: str
     entries: dict[str, TensorEntry]  # short name (no prefix) -> entry, in arena order
@@ -245,7 +244,7 @@ def locate_tower(model_dir: str | Path, max_pixels: int | None = None) -> TowerL
                 f"{shard}: {name} occupies bytes [{begin}, {end}) of a data section of "
                 f"{size - data_start} bytes, but needs {nbytes}: the shard is truncated or corrupt")
         entries[short] = TensorEntry(shard, data_start + begin, nbytes, want)
-    return TowerLocation(directory, geo, prefix, entries)
+    return TowerLocation(geo, prefix, entries)
 
 
 def _arena_layout(location: TowerLocation) -> tuple[dict[str, int], int]:

@@ -137,13 +137,6 @@ class GlmVitGeometry:
     def with_max_pixels(self, max_pixels: int | None) -> GlmVitGeometry:
         return dataclasses.replace(self, max_pixels=max_pixels)
 
-    def describe(self) -> dict[str, Any]:
-        """The fields and derived sizes, for `glmvit-cupy info` and benchmark records."""
-        out = dataclasses.asdict(self)
-        out.update(head_dim=self.head_dim, patch_dim=self.patch_dim, p_max=self.p_max,
-                   tensors=self.tensor_count, parameters=self.parameter_count)
-        return out
-
 
 def default_max_pixels(geo: GlmVitGeometry) -> int:
     """Pixels of the largest image the preprocessor admits: MAX_IMAGE_TOKENS merged tokens."""

@@ -35,10 +35,6 @@ def cuda_source_dir() -> Path:
     raise FileNotFoundError(f"cuda_src/ not found beside {here}: the package is installed without its kernels")
 
 
-def cuda_sources() -> list[Path]:
-    return sorted(cuda_source_dir().glob("*.cu"))
-
-
 def load_source(path: Path, pasted: set[str] | None = None) -> str:
     """The file's text with our headers pasted in (each once), under #line directives."""
     pasted = set() if pasted is None else pasted

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def real_ckpt(tmp_path_factory):
     """`make-checkpoint --geometry real`: 24 blocks, 347 tensors, 1.05 GiB."""
     path = os.environ.get("GLMVIT_REAL_CKPT")
     if path:
-        return __import__("pathlib").Path(path)
+        return Path(path)
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "real", "real", seed=0)
 
 
