@@ -62,6 +62,12 @@ __device__ __forceinline__ float exp2_ftz(float x) {
     return y;
 }
 
+// Four 8x8 b16 matrices from shared memory, one row address per lane (lanes 8i..8i+7: matrix i).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][HD] tile.
 template <int HD>
 __device__ __forceinline__ int swz(int row, int chunk) {
@@ -70,15 +76,22 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 }
 
 // Copy ROWS rows of HD values (global row stride `ld`) into a swizzled tile with cp.async;
-// rows at or past `valid` are zero-filled (src-size 0 reads nothing).
+// rows at or past `valid` are zero-filled (src-size 0 reads nothing). A thread copies the same
+// 16-byte chunk of every STEP-th row, so its swizzle and address arithmetic are computed once
+// and the loop unrolls to ROWS / STEP cp.async (the first version's loop over a flat index
+// cost more instructions than the softmax: the wgmma kernel was issue-bound on them).
 template <int ROWS, int HD, int THREADS>
 __device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long ld, int valid) {
-    constexpr int CHUNKS = HD / 8;
+    constexpr int CHUNKS = HD / 8, STEP = THREADS / CHUNKS;
+    static_assert(THREADS % CHUNKS == 0 && ROWS % STEP == 0 && STEP % 8 == 0,
+                  "each thread keeps one chunk column, and rows STEP apart share a swizzle");
+    const int row0 = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    bf16* dst = tile + swz<HD>(row0, chunk);
+    const bf16* from = src + row0 * ld + chunk * 8;
     #pragma unroll
-    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
-        const int row = i / CHUNKS, chunk = i % CHUNKS;
-        const bool ok = row < valid;
-        cp_async_16(tile + swz<HD>(row, chunk), src + (ok ? row * ld + chunk * 8 : 0), ok ? 16 : 0);
+    for (int r = 0; r < ROWS / STEP; ++r) {
+        const bool ok = row0 + r * STEP < valid;
+        cp_async_16(dst + r * STEP * HD, ok ? from + r * STEP * ld : src, ok ? 16 : 0);
     }
 }
 
@@ -95,10 +108,12 @@ __device__ __forceinline__ void mask_tail(float (&s)[NS][4], int key0, int seg_l
 
 // One key tile of the online softmax for a warp's 16 rows: update the running max (reduced
 // over the quad of lanes sharing a row), turn s into p = 2^(s*c - max*c) in place (c is the
-// softmax scale times log2 e), rescale the running sum and the output accumulator.
-template <int NS, int NO>
-__device__ __forceinline__ void online_softmax(float (&s)[NS][4], float (&o)[NO][4], float (&m_run)[2],
-                                               float (&l_run)[2], float scale_log2) {
+// softmax scale times log2 e) and fold it into the running sum. corr is the factor by which
+// everything accumulated so far (the sum, and the output, see rescale) shrinks under the new
+// max. Split from the rescale so the wgmma kernel can run it while P V is still in flight.
+template <int NS>
+__device__ __forceinline__ void softmax_step(float (&s)[NS][4], float (&m_run)[2], float (&l_run)[2],
+                                             float (&corr)[2], float scale_log2) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float mx = m_run[r];
@@ -106,7 +121,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[NS][4], float (&o)[NO]
         for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float corr = exp2_ftz((m_run[r] - mx) * scale_log2);  // 0 on the first tile
+        corr[r] = exp2_ftz((m_run[r] - mx) * scale_log2);  // 0 on the first tile
         const float base = mx * scale_log2;
         m_run[r] = mx;
         float sum = 0.f;
@@ -116,13 +131,30 @@ __device__ __forceinline__ void online_softmax(float (&s)[NS][4], float (&o)[NO]
             s[n][2 * r + 1] = exp2_ftz(fmaf(s[n][2 * r + 1], scale_log2, -base));
             sum += s[n][2 * r] + s[n][2 * r + 1];
         }
-        l_run[r] = l_run[r] * corr + sum;  // per lane; summed over the quad at the end
-        #pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            o[n][2 * r] *= corr;
-            o[n][2 * r + 1] *= corr;
-        }
+        l_run[r] = l_run[r] * corr[r] + sum;  // per lane; summed over the quad at the end
     }
+}
+
+// O *= corr per row. Once the running max has settled, corr is exactly 1 for every row of most
+// tiles: the warp then skips the 4 x NO multiplies (bit-identical, a vote instead).
+template <int NO>
+__device__ __forceinline__ void rescale(float (&o)[NO][4], const float (&corr)[2]) {
+    if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
+    #pragma unroll
+    for (int n = 0; n < NO; ++n) {
+        o[n][0] *= corr[0];
+        o[n][1] *= corr[0];
+        o[n][2] *= corr[1];
+        o[n][3] *= corr[1];
+    }
+}
+
+template <int NS, int NO>
+__device__ __forceinline__ void online_softmax(float (&s)[NS][4], float (&o)[NO][4], float (&m_run)[2],
+                                               float (&l_run)[2], float scale_log2) {
+    float corr[2];
+    softmax_step(s, m_run, l_run, corr, scale_log2);
+    rescale(o, corr);
 }
 
 // P for key step kk (keys 16kk..16kk+15) as an m16k16 A fragment: the C fragments of S

@@ -48,3 +48,13 @@ __device__ __forceinline__ float4 load4_bf16(const bf16* p) {  // p 8-byte align
     float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
     return make_float4(a.x, a.y, b.x, b.y);
 }
+
+__device__ __forceinline__ void unpack8_bf16(uint4 u, float (&f)[8]) {  // 16 bytes -> 8 floats
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+    }
+}

@@ -9,28 +9,29 @@
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
-extern "C" __global__ void swiglu_clamp(bf16* __restrict__ gu, const bf16* __restrict__ bias,
-                                        long long rows, int inter, float limit) {
-    const int per_row = inter / 8;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows * per_row;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / per_row;
-        const int col = (int)(i % per_row) * 8;
-        bf16* g = gu + r * 2 * inter + col;
-        uint4 gv = *reinterpret_cast<const uint4*>(g), uv = *reinterpret_cast<const uint4*>(g + inter);
-        const bf16* gb = reinterpret_cast<const bf16*>(&gv);
-        const bf16* ub = reinterpret_cast<const bf16*>(&uv);
+// Grid: x over 8-column chunks of a row, y over rows (grid-stride past 65535). The first version
+// walked one flat 64-bit index and divided it by the row width per chunk, and read the biases
+// one element at a time: it ran at 70% of the memory bandwidth.
+extern "C" __global__ void __launch_bounds__(256)
+swiglu_clamp(bf16* __restrict__ gu, const bf16* __restrict__ bias, int rows, int inter, float limit) {
+    const int col = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (col >= inter) return;
+    float gb[8] = {}, ub[8] = {};
+    if (bias != nullptr) {
+        const uint4 g4 = *reinterpret_cast<const uint4*>(bias + col), u4 = *reinterpret_cast<const uint4*>(bias + inter + col);
+        unpack8_bf16(g4, gb);
+        unpack8_bf16(u4, ub);
+    }
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        bf16* g = gu + (long long)r * 2 * inter + col;
+        float gate[8], up[8];
+        unpack8_bf16(*reinterpret_cast<const uint4*>(g), gate);
+        unpack8_bf16(*reinterpret_cast<const uint4*>(g + inter), up);
         float a[8];
         #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            float gate = __bfloat162float(gb[e]), up = __bfloat162float(ub[e]);
-            if (bias != nullptr) {
-                gate += __bfloat162float(bias[col + e]);
-                up += __bfloat162float(bias[inter + col + e]);
-            }
-            a[e] = silu(fminf(gate, limit)) * fminf(fmaxf(up, -limit), limit);
-        }
-        uint2 lo = pack4_bf16(a[0], a[1], a[2], a[3]), hi = pack4_bf16(a[4], a[5], a[6], a[7]);
+        for (int e = 0; e < 8; ++e)
+            a[e] = silu(fminf(gate[e] + gb[e], limit)) * fminf(fmaxf(up[e] + ub[e], -limit), limit);
+        const uint2 lo = pack4_bf16(a[0], a[1], a[2], a[3]), hi = pack4_bf16(a[4], a[5], a[6], a[7]);
         *reinterpret_cast<uint4*>(g) = make_uint4(lo.x, lo.y, hi.x, hi.y);
     }
 }

@@ -4,11 +4,9 @@
 // rope_tables: cos/sin float32 [P, hd/2] of [h_id * inv_freq, w_id * inv_freq] (hd/4 each).
 //   The full-width table is these hd/2 angles twice, so only half is stored. Built once per
 //   forward from the positions the host uploads (layout.block_major_positions).
-// qknorm_rope: one warp per (token, head). The QKV row is [3, heads, hd] (the de-interleave is
-//   only pointer arithmetic). For q and k: add the bias, RMSNorm over hd with the q_norm /
-//   k_norm weight (BEFORE the rotary, as the reference orders it), then rotate-half over the
-//   whole hd; v only gets its bias. The normalised vector is staged in shared memory so a lane
-//   can read its rotate-half partner whatever hd is. All in float32, rounded to BF16 once.
+// qknorm_rope: in place on q and k of the QKV row [3, heads, hd] (the de-interleave is only
+//   pointer arithmetic): add the bias, RMSNorm over hd with the q_norm / k_norm weight, then
+//   rotate-half over the whole hd. All in float32, rounded to BF16 once.
 // Reference: rope_tables / qknorm_rope in reference.py.
 #include "common.cuh"
 
@@ -28,43 +26,52 @@ extern "C" __global__ void rope_tables(const int* __restrict__ pos, const float*
     sin_t[p * 2 * quarter + quarter + k] = s;
 }
 
-// blockDim.x = 256 (8 warps); dynamic shared memory: 8 * hd floats.
+// One thread per 8 consecutive elements of a q or k head vector, G = hd / 8 threads a vector
+// (hd a power of two from 16 to 256, so a group never straddles a warp): 16-byte loads and
+// stores, the RMS a G-lane shuffle sum, and the rotate-half partner (hd / 2 elements away) is
+// lane ^ G/2, exchanged by shuffle. q and k of all heads are the first 2 * heads vectors of a
+// QKV row, so thread t's vector is simply t / G. v is not touched (its bias is folded into the
+// residual stream, see engine.bias_sums). The first version (a warp per token and head, 2-byte
+// loads through shared memory) ran at a fifth of the memory bandwidth.
 extern "C" __global__ void __launch_bounds__(256)
 qknorm_rope(bf16* __restrict__ qkv, const bf16* __restrict__ bias, const bf16* __restrict__ q_w,
             const bf16* __restrict__ k_w, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
             int P, int heads, int hd, float eps) {
-    extern __shared__ float stage[];
-    const int lane = threadIdx.x & 31;
-    const long long item = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-    if (item >= (long long)P * heads) return;  // whole warps exit together
-    float* v = stage + (threadIdx.x >> 5) * hd;
-    const int p = (int)(item / heads), head = (int)(item % heads), h = heads * hd, half = hd / 2;
-    bf16* row = qkv + (long long)p * 3 * h;
-    const float* c = cos_t + (long long)p * half;
-    const float* s = sin_t + (long long)p * half;
-
-    for (int which = 0; which < 2; ++which) {  // 0: q, 1: k
-        bf16* x = row + which * h + head * hd;
-        const bf16* b = bias + which * h + head * hd;
-        const bf16* w = which ? k_w : q_w;
-        float ss = 0.f;
-        for (int i = lane; i < hd; i += 32) {
-            const float t = __bfloat162float(x[i]) + __bfloat162float(b[i]);
-            v[i] = t;
-            ss += t * t;
-        }
-        const float r = rsqrtf(warp_sum(ss) / hd + eps);
-        __syncwarp();
-        for (int i = lane; i < hd; i += 32) {
-            const int j = i < half ? i + half : i - half;  // rotate-half partner
-            const float xi = v[i] * r * __bfloat162float(w[i]);
-            const float xj = v[j] * r * __bfloat162float(w[j]);
-            const int k = i < half ? i : i - half;
-            x[i] = __float2bfloat16_rn(xi * c[k] + (i < half ? -xj : xj) * s[k]);
-        }
-        __syncwarp();  // v is overwritten by the next pass
+    const int G = hd / 8, half = hd / 2, vectors = P * 2 * heads;  // < 2^31 (p_max)
+    const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool live = tid / G < vectors;  // dead lanes still shuffle, so they compute on row 0
+    const int vec = live ? tid / G : 0, e0 = (tid % G) * 8;
+    const int p = vec / (2 * heads), r = vec % (2 * heads);  // r < heads: q of head r, else k
+    bf16* x = qkv + (long long)p * 3 * heads * hd + r * hd + e0;
+    float v[8], b[8], w[8];
+    unpack8_bf16(*reinterpret_cast<const uint4*>(x), v);
+    unpack8_bf16(*reinterpret_cast<const uint4*>(bias + r * hd + e0), b);
+    unpack8_bf16(*reinterpret_cast<const uint4*>((r < heads ? q_w : k_w) + e0), w);
+    float ss = 0.f;
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        v[e] += b[e];
+        ss += v[e] * v[e];
     }
-    bf16* x = row + 2 * h + head * hd;
-    const bf16* b = bias + 2 * h + head * hd;
-    for (int i = lane; i < hd; i += 32) x[i] = __float2bfloat16_rn(__bfloat162float(x[i]) + __bfloat162float(b[i]));
+    for (int o = G / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float rr = rsqrtf(ss / hd + eps);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] *= rr * w[e];  // RMSNorm BEFORE the rotary, as the reference orders it
+    const bool lower = e0 < half;
+    const int k0 = lower ? e0 : e0 - half;
+    const float4* c4 = reinterpret_cast<const float4*>(cos_t + (long long)p * half + k0);
+    const float4* s4 = reinterpret_cast<const float4*>(sin_t + (long long)p * half + k0);
+    const float4 ca = c4[0], cb = c4[1], sa = s4[0], sb = s4[1];
+    const float c[8] = {ca.x, ca.y, ca.z, ca.w, cb.x, cb.y, cb.z, cb.w};
+    const float s[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+    float out[8];
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float partner = __shfl_xor_sync(0xffffffffu, v[e], G / 2);
+        out[e] = v[e] * c[e] + (lower ? -partner : partner) * s[e];
+    }
+    if (live) {
+        const uint2 lo = pack4_bf16(out[0], out[1], out[2], out[3]), hi = pack4_bf16(out[4], out[5], out[6], out[7]);
+        *reinterpret_cast<uint4*>(x) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
 }

@@ -7,8 +7,8 @@ differences are where the data lives and how it is rounded:
 - The residual stream stays float32. The patch embed, attention proj and MLP down GEMMs
   write or accumulate into it directly (beta = 1), bias-free: the stream holds x minus the
   running sum of those biases, and each norm kernel adds that sum (precomputed at load, one
-  float32 vector per norm) as it reads the row. The qkv and gate|up biases are added by the
-  kernels that consume those products.
+  float32 vector per norm) as it reads the row. The q, k and gate|up biases are added by the
+  kernels that consume those products; the v bias rides in the same running sums (bias_sums).
 - Attention is the fused flash kernel (default) or the seed's materialised path
   (attention="naive": f32 score GEMM, softmax_rows, PV GEMM) kept as the cross-check.
 - Memory is the preallocated `GlmVitScratch`, allocated on the first image.
@@ -29,7 +29,7 @@ import numpy as np
 from .checkpoint import GlmVitTensors, TowerWeights, structure
 from .cublas import Cublas
 from .errors import GlmVitError
-from .kernels import FLASH_BM, FLASH_HEAD_DIMS, Kernels
+from .kernels import FLASH_HEAD_DIMS, QKNORM_HEAD_DIMS, Kernels
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS, bf16_to_f32
 from .scratch import GlmVitScratch, scratch_plan
@@ -38,21 +38,29 @@ ATTENTION = ("auto", "flash", "naive")
 MAX_GRAPHS = 16  # captured shapes kept (each is a few hundred nodes and no memory of its own)
 
 
-def flash_work_list(segments: np.ndarray) -> np.ndarray:
-    """One int4 {segment start, length, first query, 0} per 128-query tile of each segment."""
-    rows = [(start, length, q0, 0) for start, length in segments.tolist() for q0 in range(0, length, FLASH_BM)]
+def flash_work_list(segments: np.ndarray, bm: int) -> np.ndarray:
+    """One int4 {segment start, length, first query, 0} per bm-query tile of each segment."""
+    rows = [(start, length, q0, 0) for start, length in segments.tolist() for q0 in range(0, length, bm)]
     return np.array(rows, dtype=np.int32)
 
 
 def bias_sums(weights: TowerWeights) -> np.ndarray:
     """The biases missing from the residual stream at each norm, float32 [2 x depth + 1, h]:
-    before block i's norm1 (row 2i), its norm2 (2i + 1), and the post-layernorm (last)."""
-    depth = weights.location.geometry.depth
+    before block i's norm1 (row 2i), its norm2 (2i + 1), and the post-layernorm (last).
+
+    Besides the GEMM biases this carries the v bias of each block, pushed through its proj:
+    softmax rows sum to one, so attention(q, k, v + b_v) = attention(q, k, v) + b_v, and the
+    proj turns that into + proj_w . b_v. Nothing on the device then adds b_v to v (a third
+    of qknorm_rope's traffic in its first version)."""
+    geo = weights.location.geometry
+    h = geo.hidden_size
     total = bf16_to_f32(weights.raw("patch_embed.proj.bias")).copy()
     rows = []
-    for i in range(depth):
+    for i in range(geo.depth):
         rows.append(total.copy())
-        total += bf16_to_f32(weights.raw(f"blocks.{i}.attn.proj.bias"))
+        v_bias = bf16_to_f32(weights.raw(f"blocks.{i}.attn.qkv.bias"))[2 * h:]
+        proj_w = bf16_to_f32(weights.raw(f"blocks.{i}.attn.proj.weight"))
+        total += bf16_to_f32(weights.raw(f"blocks.{i}.attn.proj.bias")) + proj_w @ v_bias
         rows.append(total.copy())
         total += bf16_to_f32(weights.raw(f"blocks.{i}.mlp.down_proj.bias"))
     rows.append(total)
@@ -81,6 +89,9 @@ class CupyTower:
             if getattr(geo, name) % 8:
                 raise GlmVitError(f"cupy backend: {name} {getattr(geo, name)} must be a multiple of 8 "
                                   "(16-byte aligned GEMM rows and vector loads); use backend='numpy'")
+        if geo.head_dim not in QKNORM_HEAD_DIMS:
+            raise GlmVitError(f"cupy backend: head_dim {geo.head_dim} is not one of {QKNORM_HEAD_DIMS} (qknorm_rope "
+                              "spreads a head over hd / 8 lanes of one warp); use backend='numpy'")
         if attention not in ATTENTION:
             raise GlmVitError(f"attention {attention!r}: expected one of {', '.join(ATTENTION)}")
         if attention == "auto":
@@ -133,7 +144,7 @@ class CupyTower:
                 f"raise it to at least {need} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
         s = self._scratch()
         segments = frame_segments(grid_thw)
-        tiles = flash_work_list(segments)
+        tiles = flash_work_list(segments, self.k.flash_bm)
         positions = block_major_positions(grid_thw, geo.spatial_merge_size)
         m = p // geo.merge_unit
         caller = cupy.cuda.get_current_stream()

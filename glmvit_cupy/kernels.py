@@ -21,7 +21,9 @@ import cupy
 import numpy as np
 
 FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
-FLASH_BM, FLASH_BN = 128, 64  # their query and key tile sizes
+FLASH_BN = 64  # keys per K/V tile (both kernels)
+FLASH_BM = {"flash_attention": 128, "flash_attention_sm90": 64}  # queries per CTA
+QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
 _REQUIRES = re.compile(r"^// requires: (sm_\w+)$", re.M)
 
@@ -79,9 +81,12 @@ class Kernels:
                  flash: (f"{flash}_hd64",)}
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
         self._flash = self._f[f"{flash}_hd64"]
-        # 1 KiB of slack lets the sm90 kernel align its tiles to the 1024-byte swizzle atom.
-        self._flash_smem = (FLASH_BM + 4 * FLASH_BN) * 64 * 2 + (1024 if self.hopper else 0)
-        self._flash_threads = 256 if self.hopper else 128
+        self.flash_bm = FLASH_BM[flash]
+        # mma.sync: Q and 2 K/V stages. wgmma: 3 K/V stages (Q passes through one) and 1 KiB of
+        # slack to align the tiles to the 1024-byte swizzle atom.
+        tile = FLASH_BN * 64 * 2
+        self._flash_smem = 6 * tile + 1024 if self.hopper else self.flash_bm * 64 * 2 + 4 * tile
+        self._flash_threads = 128
         self._flash.max_dynamic_shared_size_bytes = self._flash_smem
 
     def f32_to_bf16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
@@ -107,15 +112,15 @@ class Kernels:
     def qknorm_rope(self, qkv: cupy.ndarray, bias: cupy.ndarray, q_w: cupy.ndarray, k_w: cupy.ndarray,
                     cos: cupy.ndarray, sin: cupy.ndarray, heads: int, eps: float) -> None:
         p, hd = qkv.shape[0], q_w.size
-        self._f["qknorm_rope"](_grid(p * heads * 32, 256, 1 << 30), (256,),
+        self._f["qknorm_rope"](_grid(p * 2 * heads * hd // 8, 256, 1 << 30), (256,),
                                (qkv, bias, q_w, k_w, cos, sin, np.int32(p), np.int32(heads), np.int32(hd),
-                                np.float32(eps)), shared_mem=8 * hd * 4)
+                                np.float32(eps)))
 
     def swiglu_clamp(self, gate_up: cupy.ndarray, bias: cupy.ndarray | None, limit: float) -> None:
         rows, width = gate_up.shape
         inter = width // 2
-        self._f["swiglu_clamp"](_grid(rows * inter // 8, 256), (256,),
-                                (gate_up, bias if bias is not None else np.uint64(0), np.int64(rows),
+        self._f["swiglu_clamp"]((-(-inter // (8 * 256)), min(rows, 65535)), (256,),
+                                (gate_up, bias if bias is not None else np.uint64(0), np.int32(rows),
                                  np.int32(inter), np.float32(limit)))
 
     def im2col_2x2(self, x: cupy.ndarray, out: cupy.ndarray) -> None:

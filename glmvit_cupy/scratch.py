@@ -38,6 +38,7 @@ from .geometry import GlmVitGeometry
 MLP_CHUNK = 4096  # rows of the block MLP's gate|up product held at once
 CUBLAS_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper; fixed, so graphs can capture
 ALIGN = 256
+FLASH_MIN_BM = 64  # the smallest query tile in kernels.FLASH_BM (kept in step by tests/test_gpu.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,8 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
     mlp_rows = min(MLP_CHUNK, p)
     mlp_bytes = mlp_rows * 2 * geo.intermediate_size * 2
     merger_rows = max(1, min(m, mlp_bytes // (2 * geo.projection_intermediate_size * 2)))
-    max_tiles = p // 128 + p // geo.merge_unit  # every segment adds at most one partial tile
+    # Flash work-list entries at the smallest query tile; each segment adds one partial tile.
+    max_tiles = p // FLASH_MIN_BM + p // geo.merge_unit
     slabs = {
         "resid": _round(max(4 * p * h, 4 * m * o)),
         "normed": _round(max(2 * p * h, 2 * m * o)),

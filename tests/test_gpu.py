@@ -129,6 +129,9 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
     import cupy
 
     from glmvit_cupy.engine import flash_work_list
+    from glmvit_cupy.kernels import FLASH_BM
+    from glmvit_cupy.scratch import FLASH_MIN_BM
+    assert min(FLASH_BM.values()) == FLASH_MIN_BM  # the scratch's work list fits every kernel's tiles
     tower = vit.tower
     geo = tower.geo
     h, hd, heads = geo.hidden_size, geo.head_dim, geo.num_heads
@@ -140,7 +143,7 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
         qkv_bf16 = _to_bf16(qkv)
         flash = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)  # NaN: unwritten rows show
         naive_out = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)
-        tiles = flash_work_list(segments)
+        tiles = flash_work_list(segments, tower.k.flash_bm)
         cupy.cuda.runtime.deviceSynchronize()  # the towers' streams do not wait on the null stream
         for engine, out in ((tower, flash), (naive_vit.tower, naive_out)):
             s = engine._scratch()
