@@ -126,7 +126,7 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
         load_tile<BN, HD, THREADS>(sK + stage * TILE, w.k + j * BN * w.ld, w.ld, valid);
         load_tile<BN, HD, THREADS>(sV + stage * TILE, w.v + j * BN * w.ld, w.ld, valid);
     };
-    auto publish = [&]() {  // every thread's cp.async data, visible to the warpgroup's wgmma
+    auto publish = [&]() {  // every thread's cp.async data, visible to the warpgroup's wgmma and ldmatrix
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
     };
@@ -171,7 +171,7 @@ flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, 
         if (j == n_tiles) break;
 
         cp_async_wait<0>();  // tile j (committed one iteration ago)
-        publish();           // ... and every warpgroup is past P_{j-2} V_{j-2}
+        publish();           // ... and every warp is past P_{j-2} V_{j-2}
         if (j + 1 < n_tiles) load_kv(j + 1);  // into the stage of tile j - 2, no longer read
         cp_async_commit();
 
