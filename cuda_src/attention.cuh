@@ -107,13 +107,13 @@ __device__ __forceinline__ void mask_tail(float (&s)[NS][4], int key0, int seg_l
 }
 
 // One key tile of the online softmax for a warp's 16 rows: update the running max (reduced
-// over the quad of lanes sharing a row), turn s into p = 2^(s*c - max*c) in place (c is the
-// softmax scale times log2 e) and fold it into the running sum. corr is the factor by which
-// everything accumulated so far (the sum, and the output, see rescale) shrinks under the new
-// max. Split from the rescale so the wgmma kernel can run it while P V is still in flight.
+// over the quad of lanes sharing a row) and turn s into p = 2^(s*c - max*c) in place (c is the
+// softmax scale times log2 e). corr is the factor by which everything accumulated so far (the
+// output and the row sums, see rescale) shrinks under the new max. Split from the rescale so
+// the wgmma kernel can run it while P V is still in flight; it also sums P on the tensor cores,
+// so the row sums are the mma.sync kernel's business (online_softmax).
 template <int NS>
-__device__ __forceinline__ void softmax_step(float (&s)[NS][4], float (&m_run)[2], float (&l_run)[2],
-                                             float (&corr)[2], float scale_log2) {
+__device__ __forceinline__ void exponentiate(float (&s)[NS][4], float (&m_run)[2], float (&corr)[2], float scale_log2) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float mx = m_run[r];
@@ -124,14 +124,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[NS][4], float (&m_run)[2
         corr[r] = exp2_ftz((m_run[r] - mx) * scale_log2);  // 0 on the first tile
         const float base = mx * scale_log2;
         m_run[r] = mx;
-        float sum = 0.f;
         #pragma unroll
         for (int n = 0; n < NS; ++n) {
             s[n][2 * r] = exp2_ftz(fmaf(s[n][2 * r], scale_log2, -base));
             s[n][2 * r + 1] = exp2_ftz(fmaf(s[n][2 * r + 1], scale_log2, -base));
-            sum += s[n][2 * r] + s[n][2 * r + 1];
         }
-        l_run[r] = l_run[r] * corr[r] + sum;  // per lane; summed over the quad at the end
     }
 }
 
@@ -149,12 +146,29 @@ __device__ __forceinline__ void rescale(float (&o)[NO][4], const float (&corr)[2
     }
 }
 
+// The whole step for the mma.sync kernel, row sums kept per lane in l_run (see quad_sums).
 template <int NS, int NO>
 __device__ __forceinline__ void online_softmax(float (&s)[NS][4], float (&o)[NO][4], float (&m_run)[2],
                                                float (&l_run)[2], float scale_log2) {
     float corr[2];
-    softmax_step(s, m_run, l_run, corr, scale_log2);
+    exponentiate(s, m_run, corr, scale_log2);
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = 0.f;
+        #pragma unroll
+        for (int n = 0; n < NS; ++n) sum += s[n][2 * r] + s[n][2 * r + 1];
+        l_run[r] = l_run[r] * corr[r] + sum;
+    }
     rescale(o, corr);
+}
+
+// Per-lane partial row sums -> whole rows (the four lanes of a quad share a row).
+__device__ __forceinline__ void quad_sums(float (&l)[2]) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
 }
 
 // P for key step kk (keys 16kk..16kk+15) as an m16k16 A fragment: the C fragments of S
@@ -169,14 +183,11 @@ __device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[NS
 
 // Divide by the row sums and store the warp's rows q_first + g (+8) that lie in the segment.
 template <int NO>
-__device__ __forceinline__ void store_rows(const float (&o)[NO][4], const float (&l_run)[2], bf16* out,
+__device__ __forceinline__ void store_rows(const float (&o)[NO][4], const float (&l_row)[2], bf16* out,
                                            int seg_start, int seg_len, int q_first, int h, int head, int g, int t) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = 1.f / l;
+        const float inv = 1.f / l_row[r];
         const int q = q_first + g + 8 * r;
         if (q < seg_len) {
             bf16* dst = out + (long long)(seg_start + q) * h + head * NO * 8 + 2 * t;

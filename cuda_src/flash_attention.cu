@@ -149,8 +149,10 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
     }
 
     #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt) {
+        quad_sums(l_run[mt]);
         store_rows(o[mt], l_run[mt], out, w.seg_start, w.seg_len, w.q0 + warp * 32 + mt * 16, w.h, w.head, g, t);
+    }
 }
 
 }  // namespace

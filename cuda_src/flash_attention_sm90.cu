@@ -14,19 +14,23 @@
 // Q is loaded once into registers (A fragments). Per 64-key tile j:
 //   S_j = Q K_j^T         4 x wgmma m64n64k16, B = K from swizzled shared memory (K-major)
 //   O += P_{j-1} V_{j-1}  4 x wgmma m64n64k16, A = P from registers, B = V from shared memory
-//                         read N-major (the "transpose B" bit): V keeps its [key][dim] layout
+//                         read N-major (the "transpose B" bit): V keeps its [key][dim] layout;
+//                         and the row sums of P as 4 x m64n8k16 against a tile of ones
 //   softmax of S_j        while P_{j-1} V_{j-1} is still running
 // That software pipeline (FA3's intra-warpgroup overlap) is why the loop looks the way it
 // does: issued back to back, QK^T, softmax and PV leave the tensor cores idle during the
-// exponentials, which at head_dim 64 take as long as the MMAs. S_j, P_{j-1}, O and Q are all
-// live at once (96 of a thread's 128 registers); 4 CTAs share an SM. One warpgroup a CTA,
+// exponentials, which at head_dim 64 take as long as the MMAs. S_j, P_{j-1}, O, the row sums
+// and Q are all live at once (100 of a thread's 126 registers); 4 CTAs share an SM. One warpgroup a CTA,
 // not two sharing K/V tiles: a CTA-wide barrier per tile kept two warpgroups in lockstep, and
 // 1024- to 5476-key segments ran 7-10% slower that way (21316: the same).
-// K/V tiles go through 3 shared-memory stages with cp.async: tile j is read by S_j, tile j-1
-// by the PV still in flight, and tile j+1 loads meanwhile. The tiles use the 128B swizzle the
-// descriptors declare (attention.cuh), 1024-byte aligned. cp.async writes through the generic
-// proxy and wgmma reads through the async proxy, hence the fence.proxy.async before the
-// barrier that publishes a tile.
+// K/V tiles go through 3 shared-memory stages: tile j is read by S_j, tile j-1 by the PV still
+// in flight, and tile j+1 loads meanwhile. One thread loads them with TMA (cp.async.bulk.tensor,
+// a 64 x 64 box per instruction, 128B-swizzled by the copy engine into the layout the
+// descriptors declare, rows past the buffer's end zero-filled) and arms the stage's mbarrier
+// with the bytes to expect; everyone waits on its phase. The cp.async version spent 80 of its
+// ~310 instructions per warp and tile on load addresses and row guards: TMA took the kernel
+// from 435 to 457 TFLOP/s at 21316 keys and from 399 to 445 at 5476; the tensor-core row sums
+// and stepped stage indices (instead of j % 3) then to 502 at 21316 (benchmarks/NOTES.md).
 // Reference: segment_attention in reference.py; cross-checks: flash_attention.cu, naive path.
 #include "attention.cuh"
 
@@ -53,11 +57,37 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>  // wait until at most N committed wgmma groups are still pending
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
 
+// mbarriers and TMA (cp.async.bulk.tensor). The leader thread arms a stage's barrier with the
+// bytes it expects and issues the copies; the tensor core's async proxy writes the tile, and
+// the barrier's phase flips when all bytes have landed, which is what every thread waits on.
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void expect_bytes(unsigned long long* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// The descriptor lives in global memory, written by the host before the launch.
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" :: "l"(map) : "memory");
+}
+// One 64 x 64 box at (column, row) of the tensor `map` into a 1024-byte aligned tile.
+__device__ __forceinline__ void tma_load(bf16* tile, const void* map, int col, int row, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(smem_addr(tile)), "l"(map), "r"(col), "r"(row), "r"(smem_addr(bar)) : "memory");
+}
+
 // Keep the compiler from moving register reads/writes across the asynchronous MMAs: operands
 // are pinned here, before wgmma.fence, and accumulators again after the wait.
-__device__ __forceinline__ void fence_regs(float (&d)[8][4]) {
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
     #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int n = 0; n < N; ++n)
         asm volatile("" : "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3]) :: "memory");
 }
 __device__ __forceinline__ void fence_regs(unsigned (&a)[4][4]) {
@@ -88,110 +118,149 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const unsigned (&a)[4
 }
 
 // S = Q K^T: 4 k16 steps over the head dim; a step is 32 bytes along K's swizzled rows.
-__device__ __forceinline__ void issue_qk(float (&s)[BN / 8][4], const unsigned (&q)[HD / 16][4], const bf16* k_tile) {
-    const unsigned long long k_desc = descriptor(k_tile);
+__device__ __forceinline__ void issue_qk(float (&s)[BN / 8][4], const unsigned (&q)[HD / 16][4], unsigned long long k_desc) {
     #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks) wgmma_rs<0>(s, q[ks], k_desc + 2 * ks, ks);
     wgmma_commit();
 }
 
-// O += P V: 4 k16 steps over the keys; a step is 16 rows of V = 2048 bytes.
-__device__ __forceinline__ void issue_pv(float (&o)[HD / 8][4], const unsigned (&a)[BN / 16][4], const bf16* v_tile) {
-    const unsigned long long v_desc = descriptor(v_tile);
+// A descriptor of the 256-byte all-ones B tile: two 8 x 8 core matrices, no swizzle (whatever
+// the layout rules, every element it can address is 1).
+__device__ __forceinline__ unsigned long long ones_descriptor(const bf16* ones) {
+    return ((smem_addr(ones) & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
+}
+
+// D (+)= A . ones, m64n8k16: every column of D is the row sum of A. The same P fragments as
+// the PV MMA, so the softmax denominators come out of the tensor cores instead of 32 FADDs a
+// thread and tile, and they sum exactly the BF16 weights that multiply V.
+__device__ __forceinline__ void wgmma_rowsum(float (&d)[4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// O += P V and l += P . 1: 4 k16 steps over the keys; a V step is 16 rows = 2048 bytes.
+// acc is O's 8 n8 column tiles followed by the row-sum tile.
+__device__ __forceinline__ void issue_pv(float (&acc)[HD / 8 + 1][4], const unsigned (&a)[BN / 16][4],
+                                         unsigned long long v_desc, unsigned long long ones) {
+    float (&o)[HD / 8][4] = reinterpret_cast<float (&)[HD / 8][4]>(acc);
     #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<1>(o, a[kk], v_desc + (unsigned long long)(kk * 2048 >> 4), 1);
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        wgmma_rs<1>(o, a[kk], v_desc + (unsigned long long)(kk * 2048 >> 4), 1);
+        wgmma_rowsum(acc[HD / 8], a[kk], ones);
+    }
     wgmma_commit();
 }
 
 }  // namespace
 
 // Dynamic shared memory: 1 KiB of alignment slack + 3 K + 3 V tiles (48 KiB); Q passes through
-// the third K stage on its way into registers.
+// the third K stage on its way into registers. `qkv_map` is the TMA descriptor of the QKV buffer
+// (tma_map in kernels.py): [P rows, 3 x heads x HD columns], boxes of 64 rows x 64 columns in
+// the 128B swizzle, rows at or past P read as zeros.
 extern "C" __global__ void __launch_bounds__(THREADS, 4)
-flash_attention_sm90_hd64(const bf16* __restrict__ qkv, bf16* __restrict__ out, const int4* __restrict__ tiles,
+flash_attention_sm90_hd64(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
                           int heads, float scale_log2) {
     constexpr int NS = BN / 8, NO = HD / 8, TILE = BN * HD;
     static_assert(BM == BN, "Q is staged in a K tile");
     extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long full[STAGES + 1];  // per K/V stage, then Q's
+    __shared__ __align__(256) bf16 ones[128];
     bf16* sK = reinterpret_cast<bf16*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));  // [STAGES][BN][HD]
     bf16* sV = sK + STAGES * TILE;   // [STAGES][BN][HD]
     bf16* sQ = sK + 2 * TILE;        // until tile 2 loads
 
-    const Work<HD> w(qkv, tiles, heads);
-    const int n_tiles = (w.seg_len + BN - 1) / BN;
+    const int4 entry = tiles[blockIdx.x];
+    const int seg_start = entry.x, seg_len = entry.y, q0 = entry.z, head = blockIdx.y, h = heads * HD;
+    const int n_tiles = (seg_len + BN - 1) / BN;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = lane & 3;
-    auto load_kv = [&](int j) {  // key tile j into stage j % STAGES
-        const int valid = min(BN, w.seg_len - j * BN), stage = j % STAGES;
-        load_tile<BN, HD, THREADS>(sK + stage * TILE, w.k + j * BN * w.ld, w.ld, valid);
-        load_tile<BN, HD, THREADS>(sV + stage * TILE, w.v + j * BN * w.ld, w.ld, valid);
-    };
-    auto publish = [&]() {  // every thread's cp.async data, visible to the warpgroup's wgmma and ldmatrix
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
+    const bool leader = threadIdx.x == 0;
+    auto load_kv = [&](int j, int stage) {  // key tile j into stage j % STAGES (leader only)
+        expect_bytes(&full[stage], 2 * TILE * 2);
+        tma_load(sK + stage * TILE, qkv_map, h + head * HD, seg_start + j * BN, &full[stage]);
+        tma_load(sV + stage * TILE, qkv_map, 2 * h + head * HD, seg_start + j * BN, &full[stage]);
     };
 
-    load_tile<BM, HD, THREADS>(sQ, w.q, w.ld, min(BM, w.seg_len - w.q0));
-    load_kv(0);
-    cp_async_commit();
-    if (n_tiles > 1) load_kv(1);
-    cp_async_commit();
+    ones[threadIdx.x] = __float2bfloat16(1.f);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma after the barrier
+    const unsigned long long ones_desc = ones_descriptor(ones);
+    // Stages are contiguous, so a stage's descriptor is the first one's plus its byte offset >> 4.
+    const unsigned long long k_desc = descriptor(sK), v_desc = descriptor(sV);
+    constexpr unsigned long long STAGE_STEP = TILE * 2 >> 4;
+    if (leader) {
+        #pragma unroll
+        for (int i = 0; i <= STAGES; ++i) mbar_init(&full[i], 1);
+        mbar_fence_init();
+        tensormap_acquire(qkv_map);
+        expect_bytes(&full[STAGES], TILE * 2);
+        tma_load(sQ, qkv_map, head * HD, seg_start + q0, &full[STAGES]);
+        load_kv(0, 0);
+        if (n_tiles > 1) load_kv(1, 1);
+    }
+    __syncthreads();  // the barriers are initialised before anyone waits on them
 
     unsigned q[HD / 16][4];  // this warp's 16 query rows as A fragments, loaded once
-    float o[NO][4], s[NS][4], corr[2];
+    float o[NO + 1][4], s[NS][4], corr[2];  // o: O, then the row sums (every column the same)
     unsigned a[BN / 16][4];  // P of the previous tile: the A operand of the PV in flight
-    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    float m_run[2] = {neg_inf(), neg_inf()};
     #pragma unroll
-    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    for (int n = 0; n <= NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
     // Tile 0: nothing to overlap with yet.
-    cp_async_wait<1>();
-    publish();
+    mbar_wait(&full[STAGES], 0);
     #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks)
         ldmatrix_x4(q[ks], sQ + swz<HD>(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+    mbar_wait(&full[0], 0);
     fence_regs(s);
     wgmma_fence();
-    issue_qk(s, q, sK);
+    issue_qk(s, q, k_desc);
     wgmma_wait<0>();
     fence_regs(s);
-    mask_tail(s, 0, w.seg_len, t);
-    softmax_step(s, m_run, l_run, corr, scale_log2);
+    mask_tail(s, 0, seg_len, t);
+    exponentiate(s, m_run, corr, scale_log2);
 
     // The loop is rotated so that each iteration ENDS with the softmax of S_j while P_{j-1} V_{j-1}
     // runs, and the wait for that PV opens the next iteration. Written the other way round
     // (wait between softmax and rescale), ptxas hoists the wait above the exponentials and
-    // the overlap is lost; a wait cannot move up across the loop's back edge.
+    // the overlap is lost; a wait cannot move up across the loop's back edge. The stages and
+    // the barrier parity are stepped, not computed from j (each j % 3 cost ~6 instructions).
+    static_assert(STAGES == 3, "the free stage is the one neither tile j nor j - 1 occupies");
+    int prev = 0, cur = 1, phase = 0;  // stages of tiles j - 1 and j, parity of tile j's barrier
     for (int j = 1; j <= n_tiles; ++j) {
         wgmma_wait<0>();  // P_{j-2} V_{j-2}
         fence_regs(o);
-        rescale(o, corr);  // O and P_{j-1} now share the running max
+        rescale(o, corr);  // O, the row sums and P_{j-1} now share the running max
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) p_fragment(a[kk], s, kk);
         if (j == n_tiles) break;
 
-        cp_async_wait<0>();  // tile j (committed one iteration ago)
-        publish();           // ... and every warp is past P_{j-2} V_{j-2}
-        if (j + 1 < n_tiles) load_kv(j + 1);  // into the stage of tile j - 2, no longer read
-        cp_async_commit();
+        __syncthreads();  // every warp is past P_{j-2} V_{j-2} (and, at j = 1, past reading Q)
+        if (leader && j + 1 < n_tiles) load_kv(j + 1, 3 - prev - cur);  // into the stage of tile j - 2
+        mbar_wait(&full[cur], phase);  // tile j
 
         fence_regs(s);
         fence_regs(a);
         fence_regs(o);
         wgmma_fence();
-        issue_qk(s, q, sK + (j % STAGES) * TILE);
-        issue_pv(o, a, sV + ((j - 1) % STAGES) * TILE);
+        issue_qk(s, q, k_desc + cur * STAGE_STEP);
+        issue_pv(o, a, v_desc + prev * STAGE_STEP, ones_desc);
         wgmma_wait<1>();  // S_j is done; P_{j-1} V_{j-1} may still run
         fence_regs(s);
-        mask_tail(s, j * BN, w.seg_len, t);
-        softmax_step(s, m_run, l_run, corr, scale_log2);
+        mask_tail(s, j * BN, seg_len, t);
+        exponentiate(s, m_run, corr, scale_log2);
+        prev = cur;
+        cur = cur == STAGES - 1 ? 0 : cur + 1;
+        phase ^= cur == 0;
     }
 
     fence_regs(a);
     fence_regs(o);
     wgmma_fence();
-    issue_pv(o, a, sV + ((n_tiles - 1) % STAGES) * TILE);
+    issue_pv(o, a, v_desc + prev * STAGE_STEP, ones_desc);  // the last tile
     wgmma_wait<0>();
     fence_regs(o);
-    store_rows(o, l_run, out, w.seg_start, w.seg_len, w.q0 + warp * 16, w.h, w.head, lane >> 2, t);
+    const float l_row[2] = {o[NO][0], o[NO][2]};
+    store_rows(reinterpret_cast<const float (&)[NO][4]>(o), l_row, out, seg_start, seg_len, q0 + warp * 16, h, head, lane >> 2, t);
 }

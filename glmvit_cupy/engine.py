@@ -155,6 +155,7 @@ class CupyTower:
             self.k.f32_to_bf16(pixels, s.pixels[:p])
             s.positions[:p].set(positions, stream=self.stream)
             s.tiles[:len(tiles)].set(tiles, stream=self.stream)
+            self.k.set_qkv_map(s.qkv[:p], s.qkv_map, self.stream)
             key = grid_thw.tobytes()
             if marks is not None:  # stage timing: always eager
                 self._body(p, segments, len(tiles), marks)
@@ -202,7 +203,7 @@ class CupyTower:
     def _attention(self, qkv: cupy.ndarray, out: cupy.ndarray, segments: np.ndarray, n_tiles: int) -> None:
         geo, s = self.geo, self.scratch
         if self.attention_kind == "flash":
-            self.k.flash_attention(qkv, out, s.tiles, n_tiles, geo.num_heads, geo.head_dim)
+            self.k.flash_attention(qkv, s.qkv_map, out, s.tiles, n_tiles, geo.num_heads, geo.head_dim)
             return
         h, hd = geo.hidden_size, geo.head_dim
         for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time

@@ -14,6 +14,7 @@ the engine guarantees; the kernels' own files say why they are shaped the way th
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -64,6 +65,34 @@ def _module(name: str) -> cupy.RawModule:
     return cupy.RawModule(code=load_source(path), options=options)
 
 
+class TensorMaps:
+    """TMA descriptors (CUtensorMap, 128 bytes) from the driver's cuTensorMapEncodeTiled, which
+    CuPy does not wrap: called through ctypes on the libcuda CuPy already loaded."""
+
+    _BF16, _SWIZZLE_128B, _L2_256B = 9, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
+
+    def __init__(self) -> None:
+        self._encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        self._encode.restype = ctypes.c_int
+        self._buf = np.zeros(24, dtype=np.uint64)  # 128 bytes at a 64-byte aligned offset inside
+        self._at = (-self._buf.ctypes.data % 64) // 8
+
+    def rows(self, array: cupy.ndarray, rows: int, box_rows: int, box_cols: int) -> np.ndarray:
+        """A map of the first `rows` rows of a row-major 2-D BF16 array (rows at or past that
+        read as zeros), boxes of box_rows x box_cols swizzled 128B (box_cols x 2 = 128 bytes)."""
+        assert box_cols * 2 == 128 and array.strides[1] == 2, "the 128B swizzle needs 128-byte box rows"
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        dims, strides = (u64 * 2)(array.shape[1], rows), (u64 * 1)(array.strides[0])
+        box, step = (u32 * 2)(box_cols, box_rows), (u32 * 2)(1, 1)
+        out = self._buf[self._at:self._at + 16]
+        status = self._encode(ctypes.c_void_p(out.ctypes.data), self._BF16, u32(2), ctypes.c_void_p(array.data.ptr),
+                              dims, strides, box, step, 0, self._SWIZZLE_128B, self._L2_256B, 0)
+        if status != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} "
+                               f"(shape {array.shape}, rows {rows}, box {box_rows}x{box_cols})")
+        return out.view(np.uint8).copy()
+
+
 def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
     return (max(1, min(cap, -(-n // block))),)
 
@@ -82,6 +111,8 @@ class Kernels:
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
         self._flash = self._f[f"{flash}_hd64"]
         self.flash_bm = FLASH_BM[flash]
+        self._maps = TensorMaps() if self.hopper else None
+        self._map_written: tuple[int, int, int] | None = None
         # mma.sync: Q and 2 K/V stages. wgmma: 3 K/V stages (Q passes through one) and 1 KiB of
         # slack to align the tiles to the 1024-byte swizzle atom.
         tile = FLASH_BN * 64 * 2
@@ -135,9 +166,20 @@ class Kernels:
         rows, n = scores.shape
         self._f["softmax_rows"]((rows,), (256,), (scores, probs, np.int32(n), np.float32(scale)))
 
-    def flash_attention(self, qkv: cupy.ndarray, out: cupy.ndarray, tiles: cupy.ndarray, n_tiles: int,
-                        heads: int, head_dim: int) -> None:
+    def set_qkv_map(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
+        """Write the TMA descriptor of the QKV rows `qkv` into the 128-byte device buffer
+        `qkv_map`, which the wgmma kernel reads Q, K and V through (rows past qkv's read as zeros,
+        so stale scratch never enters a tile). Per call, outside any graph: it holds the row
+        count. The mma.sync kernel reads qkv directly and needs none."""
+        key = (qkv_map.data.ptr, qkv.data.ptr, qkv.shape[0])
+        if self._maps is not None and key != self._map_written:  # the same rows as last time: still there
+            qkv_map.set(self._maps.rows(qkv, qkv.shape[0], FLASH_BN, 64).view(qkv_map.dtype), stream=stream)
+            self._map_written = key
+
+    def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray, out: cupy.ndarray, tiles: cupy.ndarray,
+                        n_tiles: int, heads: int, head_dim: int) -> None:
         assert head_dim in FLASH_HEAD_DIMS
         scale_log2 = head_dim ** -0.5 * float(np.log2(np.e))
         self._flash((n_tiles, heads), (self._flash_threads,),
-                    (qkv, out, tiles, np.int32(heads), np.float32(scale_log2)), shared_mem=self._flash_smem)
+                    (qkv_map if self.hopper else qkv, out, tiles, np.int32(heads), np.float32(scale_log2)),
+                    shared_mem=self._flash_smem)

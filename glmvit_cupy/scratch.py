@@ -7,25 +7,29 @@ are never live at the same time share a slab, which is what keeps the engine's m
 half of transformers' at 2044x2044 (see BENCHMARKS.md):
 
   slab      block phase (x 24)                      merger phase (after the last block)
-  resid     residual stream, f32 [P, h]             merger proj out, then pooler_output, f32 [M, out]
+  resid     residual stream, f32 [P, h]             im2col [M, 4h] bf16 (read by the downsample
+                                                    GEMM), then merger proj out, then
+                                                    pooler_output, f32 [M, out]
   normed    norm output / attention output, bf16    post-norm output, then LayerNorm+GELU out [M, out]
-  qkv       pixels bf16 [P, patch_dim], then QKV    last_hidden_state f32 [M, out] + its bf16 copy
-            bf16 [P, 3h] (q, k normed + roped)
-  mlp       gate|up of a chunk of rows, bf16        im2col [M, 4h] (read by the downsample GEMM),
-            [MLP_CHUNK, 2 x inter] (act in place)   then merger gate|up of a chunk of rows
-                                                    [merger chunk, 2 x projection]
+  qkv       pixels bf16 [P, patch_dim], then QKV    last_hidden_state f32 [M, out] + its bf16 copy,
+            bf16 [P, 3h] (q, k normed + roped),     then (over the copy) merger gate|up of a
+            then gate|up of a chunk of MLP rows     chunk of rows [merger chunk, 2 x projection]
+            [MLP_CHUNK, 2 x inter] (act in place)
   rope      cos, sin f32 [P, hd/2]                  -
-  index     positions int32 [P, 2], flash work list -
+  index     positions int32 [P, 2], flash work list,  -
+            the QKV rows' TMA descriptor
   workspace cuBLAS's workspace (given to the handle)  the same
 
-Seed names -> here: buf_f32 -> resid, buf_h1/buf_h2 -> normed, buf_gate/buf_up -> mlp,
-buf_qr/buf_kr/buf_vt -> qkv, buf_o_stage -> normed, buf_rope_cos/sin -> rope_cos/sin,
-buf_merge_a/b/g/u -> normed/qkv/mlp views, buf_out -> pooler. buf_scores/buf_probs (the
+Seed names -> here: buf_f32 -> resid, buf_h1/buf_h2 -> normed, buf_gate/buf_up -> mlp (a
+qkv view), buf_qr/buf_kr/buf_vt -> qkv, buf_o_stage -> normed, buf_rope_cos/sin ->
+rope_cos/sin, buf_merge_a/b/g/u -> resid/normed/qkv views, buf_out -> pooler. buf_scores/buf_probs (the
 [P, P] score matrix) exist only with attention="naive"; the flash path needs none.
 P = p_max, M = p_max / 4. The MLP runs in row chunks so its 2 x intermediate-wide product
-never needs P rows. A kernel never reads and writes the same slab unless each thread writes
-only what it read itself (the in-place swiglu and qknorm_rope): the
-im2col permutes rows across threads, so its output cannot sit on its input's slab.
+never needs P rows; the chunk lives in the qkv slab, dead between the attention and the next
+block's QKV GEMM, so it needs no slab of its own (4096-row chunks: 8192 measured the same,
+within 2%). A kernel never reads and writes the same slab unless each thread writes only
+what it read itself (the in-place swiglu and qknorm_rope): the im2col permutes rows across
+threads, so its output cannot sit on its input's slab.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .geometry import GlmVitGeometry
 MLP_CHUNK = 4096  # rows of the block MLP's gate|up product held at once
 CUBLAS_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper; fixed, so graphs can capture
 ALIGN = 256
+TMA_MAP_BYTES = 128  # one CUtensorMap, the wgmma flash kernel's view of the QKV rows
 FLASH_MIN_BM = 64  # the smallest query tile in kernels.FLASH_BM (kept in step by tests/test_gpu.py)
 
 
@@ -65,18 +70,17 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
     p, h, o = geo.p_max, geo.hidden_size, geo.out_hidden_size
     m = p // geo.merge_unit
     mlp_rows = min(MLP_CHUNK, p)
-    mlp_bytes = mlp_rows * 2 * geo.intermediate_size * 2
-    merger_rows = max(1, min(m, mlp_bytes // (2 * geo.projection_intermediate_size * 2)))
+    qkv = _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o, mlp_rows * 2 * geo.intermediate_size * 2))
+    # The merger's gate|up chunk takes what last_hidden_state (f32, an output) leaves of the slab.
+    merger_rows = max(1, min(m, (qkv - _round(4 * m * o)) // (2 * geo.projection_intermediate_size * 2)))
     # Flash work-list entries at the smallest query tile; each segment adds one partial tile.
     max_tiles = p // FLASH_MIN_BM + p // geo.merge_unit
     slabs = {
-        "resid": _round(max(4 * p * h, 4 * m * o)),
+        "resid": _round(max(4 * p * h, 4 * m * o, 2 * m * geo.merge_unit * h)),
         "normed": _round(max(2 * p * h, 2 * m * o)),
-        "qkv": _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o)),
-        "mlp": _round(max(mlp_bytes, merger_rows * 2 * geo.projection_intermediate_size * 2,
-                          2 * m * geo.merge_unit * h)),
+        "qkv": qkv,
         "rope": _round(2 * 4 * p * (geo.head_dim // 2)),
-        "index": _round(4 * 2 * p) + _round(16 * max_tiles),
+        "index": _round(4 * 2 * p) + _round(16 * max_tiles) + TMA_MAP_BYTES,
         "workspace": CUBLAS_WORKSPACE,
     }
     return ScratchPlan(p, mlp_rows, merger_rows, max_tiles, slabs, naive_bytes=p * p * (4 + 2))
@@ -104,18 +108,19 @@ class GlmVitScratch:
         self.normed = view("normed", bf16, (p, h))
         self.pixels = view("qkv", bf16, (p, geo.patch_dim))
         self.qkv = view("qkv", bf16, (p, 3 * h))
-        self.mlp = view("mlp", bf16, (plan.mlp_rows, 2 * geo.intermediate_size))
+        self.mlp = view("qkv", bf16, (plan.mlp_rows, 2 * geo.intermediate_size))
         self.rope_cos = view("rope", cupy.float32, (p, hd2))
         self.rope_sin = view("rope", cupy.float32, (p, hd2), 4 * p * hd2)
         self.positions = view("index", cupy.int32, (p, 2))
         self.tiles = view("index", cupy.int32, (plan.max_tiles, 4), _round(4 * 2 * p))
+        self.qkv_map = view("index", cupy.uint8, (TMA_MAP_BYTES,), _round(4 * 2 * p) + _round(16 * plan.max_tiles))
         # merger phase
-        self.merge_a = view("mlp", bf16, (m, geo.merge_unit * h))
+        self.merge_a = view("resid", bf16, (m, geo.merge_unit * h))
         self.merge_y = view("normed", bf16, (m, o))
         self.last_hidden = view("qkv", cupy.float32, (m, o))
         self.last_hidden_bf16 = view("qkv", bf16, (m, o), 4 * m * o)
         self.pooler = view("resid", cupy.float32, (m, o))
-        self.merge_mlp = view("mlp", bf16, (plan.merger_rows, 2 * geo.projection_intermediate_size))
+        self.merge_mlp = view("qkv", bf16, (plan.merger_rows, 2 * geo.projection_intermediate_size), _round(4 * m * o))
         # naive attention only: one (segment, head) score matrix at a time
         self.workspace = slab["workspace"]
         self.scores = cupy.empty(p * p, dtype=cupy.float32) if naive else None

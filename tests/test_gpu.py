@@ -149,6 +149,7 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
             s = engine._scratch()
             with engine.stream:
                 s.tiles[:len(tiles)].set(tiles, stream=engine.stream)
+                engine.k.set_qkv_map(qkv_bf16, s.qkv_map, engine.stream)
                 engine._attention(qkv_bf16, out, segments, len(tiles))
             engine.stream.synchronize()
         q32 = _from_bf16(qkv_bf16)
