@@ -118,6 +118,11 @@ class CupyTower:
         self.scratch: GlmVitScratch | None = None
         self.graphs: OrderedDict[bytes, cupy.cuda.graph.Graph] = OrderedDict()
         self.seen: set[bytes] = set()
+        # Per grid_thw: the host tables (segments, flash work list, RoPE positions), and which
+        # grid's tables the scratch holds now. Building and uploading them took 0.07 ms at 448
+        # and 1.1 ms at 32x448 (numpy), time the GPU sat idle in front of a replayed graph.
+        self.tables: OrderedDict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self.uploaded: bytes | None = None
         self.stream.synchronize()
 
     @property
@@ -143,20 +148,27 @@ class CupyTower:
                 f"{p} patches exceed this engine's p_max of {geo.p_max} (max_pixels {geo.p_max * geo.patch_size ** 2}); "
                 f"raise it to at least {need} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
         s = self._scratch()
-        segments = frame_segments(grid_thw)
-        tiles = flash_work_list(segments, self.k.flash_bm)
-        positions = block_major_positions(grid_thw, geo.spatial_merge_size)
+        key = grid_thw.tobytes()
+        if key not in self.tables:
+            segments = frame_segments(grid_thw)
+            self.tables[key] = (segments, flash_work_list(segments, self.k.flash_bm),
+                                block_major_positions(grid_thw, geo.spatial_merge_size))
+            if len(self.tables) > MAX_GRAPHS:
+                self.tables.popitem(last=False)
+        self.tables.move_to_end(key)
+        segments, tiles, positions = self.tables[key]
         m = p // geo.merge_unit
         caller = cupy.cuda.get_current_stream()
         with self.stream:
             self.stream.wait_event(caller.record())
             pixels = cupy.ascontiguousarray(cupy.asarray(pixel_values, dtype=cupy.float32))
-            # Outside any graph: the input array and the per-call tables change between calls.
+            # Outside any graph: the input array changes between calls, the tables between grids.
             self.k.f32_to_bf16(pixels, s.pixels[:p])
-            s.positions[:p].set(positions, stream=self.stream)
-            s.tiles[:len(tiles)].set(tiles, stream=self.stream)
+            if self.uploaded != key:
+                s.positions[:p].set(positions, stream=self.stream)
+                s.tiles[:len(tiles)].set(tiles, stream=self.stream)
+                self.uploaded = key
             self.k.set_qkv_map(s.qkv[:p], s.qkv_map, self.stream)
-            key = grid_thw.tobytes()
             if marks is not None:  # stage timing: always eager
                 self._body(p, segments, len(tiles), marks)
             elif key in self.graphs:
@@ -191,7 +203,7 @@ class CupyTower:
             k.rmsnorm_bias(resid, self.shifts[2 * i], blk.norm1_w, normed, eps)
             blas.linear(qkv, normed, blk.qkv_w)
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
-            self._attention(qkv, normed, segments, n_tiles)  # attention output -> normed
+            self._attention(qkv, normed, segments, s.tiles, n_tiles)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
             mark("attention")
             k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
@@ -200,10 +212,11 @@ class CupyTower:
         self._merger(p)
         mark("merger")
 
-    def _attention(self, qkv: cupy.ndarray, out: cupy.ndarray, segments: np.ndarray, n_tiles: int) -> None:
+    def _attention(self, qkv: cupy.ndarray, out: cupy.ndarray, segments: np.ndarray, tiles: cupy.ndarray,
+                   n_tiles: int) -> None:
         geo, s = self.geo, self.scratch
         if self.attention_kind == "flash":
-            self.k.flash_attention(qkv, s.qkv_map, out, s.tiles, n_tiles, geo.num_heads, geo.head_dim)
+            self.k.flash_attention(qkv, s.qkv_map, out, tiles, n_tiles, geo.num_heads, geo.head_dim)
             return
         h, hd = geo.hidden_size, geo.head_dim
         for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time
