@@ -10,6 +10,8 @@ waits on a compile; later processes hit CuPy's cache.
 
 Each launcher states its grid, block and shared memory and takes CuPy arrays whose shapes
 the engine guarantees; the kernels' own files say why they are shaped the way they are.
+The wgmma flash kernel reads its tiles by TMA, through a descriptor the driver API encodes
+(`TensorMaps`: CuPy has no wrapper for it).
 """
 
 from __future__ import annotations
