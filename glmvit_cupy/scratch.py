@@ -22,8 +22,9 @@ half of transformers' at 2044x2044 (see BENCHMARKS.md):
 
 Seed names -> here: buf_f32 -> resid, buf_h1/buf_h2 -> normed, buf_gate/buf_up -> mlp (a
 qkv view), buf_qr/buf_kr/buf_vt -> qkv, buf_o_stage -> normed, buf_rope_cos/sin ->
-rope_cos/sin, buf_merge_a/b/g/u -> resid/normed/qkv views, buf_out -> pooler. buf_scores/buf_probs (the
-[P, P] score matrix) exist only with attention="naive"; the flash path needs none.
+rope_cos/sin, buf_merge_a/b/g/u -> resid/normed/qkv views, buf_out -> pooler.
+buf_scores/buf_probs (the [P, P] score matrix) exist only with attention="naive"; the flash
+path needs none.
 P = p_max, M = p_max / 4. The MLP runs in row chunks so its 2 x intermediate-wide product
 never needs P rows; the chunk lives in the qkv slab, dead between the attention and the next
 block's QKV GEMM, so it needs no slab of its own (4096-row chunks: 8192 measured the same,
@@ -70,7 +71,8 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
     p, h, o = geo.p_max, geo.hidden_size, geo.out_hidden_size
     m = p // geo.merge_unit
     mlp_rows = min(MLP_CHUNK, p)
-    qkv = _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o, mlp_rows * 2 * geo.intermediate_size * 2))
+    qkv = _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o,
+                     mlp_rows * 2 * geo.intermediate_size * 2))
     # The merger's gate|up chunk takes what last_hidden_state (f32, an output) leaves of the slab.
     merger_rows = max(1, min(m, (qkv - _round(4 * m * o)) // (2 * geo.projection_intermediate_size * 2)))
     # Flash work-list entries at the smallest query tile; each segment adds one partial tile.
