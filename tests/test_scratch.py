@@ -6,14 +6,10 @@ from __future__ import annotations
 import pytest
 
 from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.scratch import ALIGN, CUBLAS_WORKSPACE, scratch_plan
+from glmvit_cupy.scratch import CUBLAS_WORKSPACE, _round, scratch_plan
 
 MIB = 2 ** 20
 TRANSFORMERS_2044_MIB = 1019  # SPEC.md: what transformers allocates at 2044x2044
-
-
-def _round(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def test_default_budget_census():
