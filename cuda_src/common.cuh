@@ -9,6 +9,12 @@ typedef __nv_bfloat16 bf16;
 // -infinity without <math.h> (NVRTC compiles without the host headers that define INFINITY).
 __device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
 
+// The 32-bit shared-window address that PTX's shared-memory operands (ldmatrix, cp.async,
+// mbarrier, TMA) take.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

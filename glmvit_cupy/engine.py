@@ -11,6 +11,8 @@ differences are where the data lives and how it is rounded:
   kernels that consume those products; the v bias rides in the same running sums (bias_sums).
 - Attention is the fused flash kernel (default) or the seed's materialised path
   (attention="naive": f32 score GEMM, softmax_rows, PV GEMM) kept as the cross-check.
+- On Hopper the MLPs' gate|up GEMM and clamped SwiGLU are one kernel (gemm_swiglu_sm90.cu)
+  reading its operands by TMA; elsewhere (or for dims not in its tiles) cuBLAS + swiglu_clamp.
 - Memory is the preallocated `GlmVitScratch`, allocated on the first image.
 - A shape seen a second time is captured as a CUDA graph and replayed from then on (a launch
   from Python costs ~9 us, a replayed node ~1 us; 24 blocks are ~250 launches). The first
@@ -29,7 +31,7 @@ import numpy as np
 from .checkpoint import GlmVitTensors, TowerWeights, structure
 from .cublas import Cublas
 from .errors import GlmVitError
-from .kernels import FLASH_HEAD_DIMS, QKNORM_HEAD_DIMS, Kernels
+from .kernels import FLASH_HEAD_DIMS, GATE_UP_TILE, QKNORM_HEAD_DIMS, Kernels
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS, bf16_to_f32
 from .scratch import GlmVitScratch, scratch_plan
@@ -113,8 +115,17 @@ class CupyTower:
             return self.arena[start:start + raw.size].reshape(raw.shape)
 
         self.w: GlmVitTensors[cupy.ndarray] = structure(weights, on_device)
+        # The fused gate|up kernel needs whole tiles: K % 64 and intermediate % 128 (the real
+        # tower's 1024/4096 and 4096/10240 are). It reads each gate|up weight through a TMA
+        # descriptor made here, once; those of its inputs live in the scratch.
+        mlps = ((geo.hidden_size, geo.intermediate_size), (geo.out_hidden_size, geo.projection_intermediate_size))
+        self.fused_mlp = self.k.hopper and all(k % GATE_UP_TILE[0] == 0 and n % GATE_UP_TILE[1] == 0
+                                               for k, n in mlps)
+        gate_up_ws = [blk.gate_up_w for blk in self.w.blocks] + [self.w.merger.gate_up_w]
         with self.stream:
             self.shifts = cupy.asarray(bias_sums(weights))  # [2 * depth + 1, h], see bias_sums
+            self.gate_up_maps = (cupy.asarray(np.stack([self.k.gate_up_map(w) for w in gate_up_ws]))
+                                 if self.fused_mlp else None)  # [depth + 1, 128] bytes, the merger's last
         self.scratch: GlmVitScratch | None = None
         self.graphs: OrderedDict[bytes, cupy.cuda.graph.Graph] = OrderedDict()
         self.seen: set[bytes] = set()
@@ -133,7 +144,10 @@ class CupyTower:
     def _scratch(self) -> GlmVitScratch:
         if self.scratch is None:
             with self.stream:
-                self.scratch = GlmVitScratch(self.geo, self.plan, naive=self.attention_kind == "naive")
+                s = self.scratch = GlmVitScratch(self.geo, self.plan, naive=self.attention_kind == "naive")
+                if self.fused_mlp:  # over all p_max rows: rows past a call's p feed only unstored output rows
+                    s.normed_map.set(self.k.gate_up_map(s.normed), stream=self.stream)
+                    s.merge_y_map.set(self.k.gate_up_map(s.merge_y), stream=self.stream)
             self.blas.set_workspace(self.scratch.workspace)
         return self.scratch
 
@@ -167,8 +181,9 @@ class CupyTower:
             if self.uploaded != key:
                 s.positions[:p].set(positions, stream=self.stream)
                 s.tiles[:len(tiles)].set(tiles, stream=self.stream)
+                if self.k.hopper:
+                    s.qkv_map.set(self.k.qkv_map(s.qkv[:p]), stream=self.stream)
                 self.uploaded = key
-            self.k.set_qkv_map(s.qkv[:p], s.qkv_map, self.stream)
             if marks is not None:  # stage timing: always eager
                 self._body(p, segments, len(tiles), marks)
             elif key in self.graphs:
@@ -203,20 +218,21 @@ class CupyTower:
             k.rmsnorm_bias(resid, self.shifts[2 * i], blk.norm1_w, normed, eps)
             blas.linear(qkv, normed, blk.qkv_w)
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
-            self._attention(qkv, normed, segments, s.tiles, n_tiles)  # attention output -> normed
+            self._attention(qkv, s.qkv_map, normed, segments, s.tiles, n_tiles)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
             mark("attention")
             k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
-            self._mlp(normed, resid, blk.gate_up_w, blk.gate_up_b, blk.down_w, s.mlp, accumulate=True)
+            self._mlp(normed, resid, blk.gate_up_w, blk.gate_up_b, blk.down_w, s.mlp, accumulate=True,
+                      maps=(s.normed_map, self.gate_up_maps[i]) if self.fused_mlp else None)
             mark("mlp")
         self._merger(p)
         mark("merger")
 
-    def _attention(self, qkv: cupy.ndarray, out: cupy.ndarray, segments: np.ndarray, tiles: cupy.ndarray,
-                   n_tiles: int) -> None:
+    def _attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, segments: np.ndarray,
+                   tiles: cupy.ndarray, n_tiles: int) -> None:
         geo, s = self.geo, self.scratch
         if self.attention_kind == "flash":
-            self.k.flash_attention(qkv, s.qkv_map, out, tiles, n_tiles, geo.num_heads, geo.head_dim)
+            self.k.flash_attention(qkv, qkv_map, out, tiles, n_tiles, geo.num_heads, geo.head_dim)
             return
         h, hd = geo.hidden_size, geo.head_dim
         for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time
@@ -232,15 +248,27 @@ class CupyTower:
                 self.blas.matmul(out[start:start + length, head * hd:(head + 1) * hd], probs, v)
 
     def _mlp(self, x: cupy.ndarray, out: cupy.ndarray, gate_up_w, gate_up_b, down_w, buf: cupy.ndarray,
-             accumulate: bool) -> None:
-        """out (+)= down(swiglu_clamp(x . gate_up^T + b)), in chunks of buf's rows."""
-        inter = gate_up_w.shape[0] // 2
-        for r0 in range(0, x.shape[0], buf.shape[0]):
-            rows = min(buf.shape[0], x.shape[0] - r0)
-            gate_up = buf[:rows]
-            self.blas.linear(gate_up, x[r0:r0 + rows], gate_up_w)
-            self.k.swiglu_clamp(gate_up, gate_up_b, self.geo.swiglu_limit)
-            self.blas.linear(out[r0:r0 + rows], gate_up[:, :inter], down_w, accumulate=accumulate)
+             accumulate: bool, maps: tuple[cupy.ndarray, cupy.ndarray] | None) -> None:
+        """out (+)= down(swiglu_clamp(x . gate_up^T + b)), in row chunks that fit buf. maps: the
+        TMA descriptors of x's buffer and of gate_up_w where the fused kernel runs.
+
+        The fused kernel writes only act [rows, inter], so buf holds twice the rows it does for
+        cuBLAS + swiglu_clamp ([rows, 2 x inter], act in place over the gate half). Chunks are
+        equal and whole 128-row tiles: a short last chunk ran the down GEMM at 373 TFLOP/s."""
+        inter, limit, total = gate_up_w.shape[0] // 2, self.geo.swiglu_limit, x.shape[0]
+        width = inter if maps is not None else 2 * inter
+        cap = buf.size // width
+        chunks = -(-total // cap)
+        step = min(cap, -(-total // (chunks * 128)) * 128)
+        for r0 in range(0, total, step):
+            rows = min(step, total - r0)
+            chunk = buf.reshape(-1)[:rows * width].reshape(rows, width)
+            if maps is not None:
+                self.k.gemm_swiglu(*maps, gate_up_b, chunk, r0, x.shape[1], limit)
+            else:
+                self.blas.linear(chunk, x[r0:r0 + rows], gate_up_w)
+                self.k.swiglu_clamp(chunk, gate_up_b, limit)
+            self.blas.linear(out[r0:r0 + rows], chunk[:, :inter], down_w, accumulate=accumulate)
 
     def _merger(self, p: int) -> None:
         geo, s, k, blas, mw = self.geo, self.scratch, self.k, self.blas, self.w.merger
@@ -252,4 +280,5 @@ class CupyTower:
         blas.linear(s.pooler[:m], s.last_hidden_bf16[:m], mw.proj_w)  # step 8
         k.layernorm_gelu(s.pooler[:m], mw.norm_w, mw.norm_b, s.merge_y[:m], LAYERNORM_EPS)
         # pooler still holds the proj output, consumed by layernorm_gelu: overwrite it
-        self._mlp(s.merge_y[:m], s.pooler[:m], mw.gate_up_w, None, mw.down_w, s.merge_mlp, accumulate=False)
+        self._mlp(s.merge_y[:m], s.pooler[:m], mw.gate_up_w, None, mw.down_w, s.merge_mlp, accumulate=False,
+                  maps=(s.merge_y_map, self.gate_up_maps[-1]) if self.fused_mlp else None)

@@ -10,8 +10,8 @@ waits on a compile; later processes hit CuPy's cache.
 
 Each launcher states its grid, block and shared memory and takes CuPy arrays whose shapes
 the engine guarantees; the kernels' own files say why they are shaped the way they are.
-The wgmma flash kernel reads its tiles by TMA, through a descriptor the driver API encodes
-(`TensorMaps`: CuPy has no wrapper for it).
+The sm_90a kernels (wgmma flash attention, the fused gate|up GEMM + SwiGLU) read their tiles
+by TMA, through descriptors the driver API encodes (`TensorMaps`: CuPy has no wrapper for it).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
 FLASH_BN = 64  # keys per K/V tile (both kernels)
 FLASH_BM = {"flash_attention": 128, "flash_attention_sm90": 64}  # queries per CTA
+GATE_UP_TILE = (64, 128)  # gemm_swiglu_sm90: K and act columns come in whole tiles of these
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
 _REQUIRES = re.compile(r"^// requires: (sm_\w+)$", re.M)
@@ -79,19 +80,19 @@ class TensorMaps:
         self._buf = np.zeros(24, dtype=np.uint64)  # 128 bytes at a 64-byte aligned offset inside
         self._at = (-self._buf.ctypes.data % 64) // 8
 
-    def rows(self, array: cupy.ndarray, rows: int, box_rows: int, box_cols: int) -> np.ndarray:
-        """A map of the first `rows` rows of a row-major 2-D BF16 array (rows at or past that
-        read as zeros), boxes of box_rows x box_cols swizzled 128B (box_cols x 2 = 128 bytes)."""
+    def rows(self, array: cupy.ndarray, box_rows: int, box_cols: int) -> np.ndarray:
+        """A map of a row-major 2-D BF16 array (rows past its end read as zeros), boxes of
+        box_rows x box_cols swizzled 128B (box_cols x 2 = 128 bytes)."""
         assert box_cols * 2 == 128 and array.strides[1] == 2, "the 128B swizzle needs 128-byte box rows"
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-        dims, strides = (u64 * 2)(array.shape[1], rows), (u64 * 1)(array.strides[0])
+        dims, strides = (u64 * 2)(array.shape[1], array.shape[0]), (u64 * 1)(array.strides[0])
         box, step = (u32 * 2)(box_cols, box_rows), (u32 * 2)(1, 1)
         out = self._buf[self._at:self._at + 16]
         status = self._encode(ctypes.c_void_p(out.ctypes.data), self._BF16, u32(2), ctypes.c_void_p(array.data.ptr),
                               dims, strides, box, step, 0, self._SWIZZLE_128B, self._L2_256B, 0)
         if status != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} "
-                               f"(shape {array.shape}, rows {rows}, box {box_rows}x{box_cols})")
+                               f"(shape {array.shape}, box {box_rows}x{box_cols})")
         return out.view(np.uint8).copy()
 
 
@@ -103,18 +104,26 @@ class Kernels:
     """Every kernel the engine launches, compiled at construction."""
 
     def __init__(self) -> None:
-        # Hopper runs the wgmma flash kernel; every other GPU the mma.sync one.
-        self.hopper = cupy.cuda.Device().compute_capability == "90"
+        # Hopper runs the wgmma flash kernel and the fused gate|up GEMM; every other GPU the
+        # mma.sync flash kernel and cuBLAS + swiglu_clamp.
+        device = cupy.cuda.Device()
+        self.hopper = device.compute_capability == "90"
         flash = "flash_attention_sm90" if self.hopper else "flash_attention"
         names = {"convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
                  "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
                  "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
                  flash: (f"{flash}_hd64",)}
+        if self.hopper:
+            names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
         self._flash = self._f[f"{flash}_hd64"]
         self.flash_bm = FLASH_BM[flash]
         self._maps = TensorMaps() if self.hopper else None
-        self._map_written: tuple[int, int, int] | None = None
+        self._sms = device.attributes["MultiProcessorCount"]
+        # 4 stages of a 128-row X box and two 128-row W boxes, 64 columns each, + alignment slack
+        self._gemm_smem = 4 * 3 * 128 * 64 * 2 + 1024
+        if self.hopper:
+            self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self._gemm_smem
         # mma.sync: Q and 2 K/V stages. wgmma: 3 K/V stages (Q passes through one) and 1 KiB of
         # slack to align the tiles to the 1024-byte swizzle atom.
         tile = FLASH_BN * 64 * 2
@@ -129,7 +138,8 @@ class Kernels:
     def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,
                      eps: float) -> None:
         rows, n = x.shape
-        self._f["rmsnorm_bias"]((rows,), (256,), (x, bias, w, out, np.int32(n), np.float32(eps)))
+        self._f["rmsnorm_bias"]((-(-rows // 8),), (256,), (x, bias, w, out, np.int32(rows), np.int32(n),
+                                                           np.float32(eps)))
 
     def layernorm_gelu(self, x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
                        eps: float) -> None:
@@ -168,17 +178,31 @@ class Kernels:
         rows, n = scores.shape
         self._f["softmax_rows"]((rows,), (256,), (scores, probs, np.int32(n), np.float32(scale)))
 
-    def set_qkv_map(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
-        """Write the TMA descriptor of the QKV rows `qkv` into the 128-byte device buffer
-        `qkv_map`, which the wgmma kernel reads Q, K and V through (rows past qkv's read as zeros,
-        so stale scratch never enters a tile). Per call, outside any graph: it holds the row
-        count. The mma.sync kernel reads qkv directly and needs none."""
-        key = (qkv_map.data.ptr, qkv.data.ptr, qkv.shape[0])
-        if self._maps is not None and key != self._map_written:  # the same rows as last time: still there
-            qkv_map.set(self._maps.rows(qkv, qkv.shape[0], FLASH_BN, 64).view(qkv_map.dtype), stream=stream)
-            self._map_written = key
+    def qkv_map(self, qkv: cupy.ndarray) -> np.ndarray:
+        """The TMA descriptor (128 bytes) the wgmma flash kernel reads Q, K and V of the rows
+        `qkv` through: rows past qkv's read as zeros, so stale scratch never enters a tile. It
+        holds the row count, so it is written per grid, outside any graph. Hopper only."""
+        return self._maps.rows(qkv, FLASH_BN, 64)
 
-    def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray, out: cupy.ndarray, tiles: cupy.ndarray,
+    def gate_up_map(self, array: cupy.ndarray) -> np.ndarray:
+        """The TMA descriptor gemm_swiglu reads an X or W operand through (128-row boxes).
+        Hopper only."""
+        return self._maps.rows(array, GATE_UP_TILE[1], GATE_UP_TILE[0])
+
+    def gemm_swiglu(self, x_map: cupy.ndarray, w_map: cupy.ndarray, bias: cupy.ndarray | None, act: cupy.ndarray,
+                    row0: int, k: int, limit: float) -> None:
+        """act[r] = swiglu_clamp(X[row0 + r] . W^T + bias) for each row r of act, X and W [2 x
+        inter, k] read through their maps (gate_up_map); act may be a strided view (the gate
+        half of a gate|up buffer). One persistent CTA per SM at most."""
+        rows, inter = act.shape
+        tiles = inter // GATE_UP_TILE[1] * -(-rows // 128)
+        self._f["gemm_swiglu_sm90"]((min(tiles, self._sms),), (384,),
+                                    (x_map, w_map, bias if bias is not None else np.uint64(0), act, np.int32(row0),
+                                     np.int32(rows), np.int32(k), np.int32(inter),
+                                     np.int64(act.strides[0] // act.itemsize), np.float32(limit)),
+                                    shared_mem=self._gemm_smem)
+
+    def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, tiles: cupy.ndarray,
                         n_tiles: int, heads: int, head_dim: int) -> None:
         assert head_dim in FLASH_HEAD_DIMS
         scale_log2 = head_dim ** -0.5 * float(np.log2(np.e))

@@ -17,7 +17,9 @@ half of transformers' at 2044x2044 (see BENCHMARKS.md):
             [MLP_CHUNK, 2 x inter] (act in place)
   rope      cos, sin f32 [P, hd/2]                  -
   index     positions int32 [P, 2], flash work list,  -
-            the QKV rows' TMA descriptor
+            TMA descriptors: of the QKV rows (flash
+            attention), of normed and merge_y (the
+            fused gate|up GEMM's inputs, Hopper)
   workspace cuBLAS's workspace (given to the handle)  the same
 
 Seed names -> here: buf_f32 -> resid, buf_h1/buf_h2 -> normed, buf_gate/buf_up -> mlp (a
@@ -43,7 +45,7 @@ from .geometry import GlmVitGeometry
 MLP_CHUNK = 4096  # rows of the block MLP's gate|up product held at once
 CUBLAS_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper; fixed, so graphs can capture
 ALIGN = 256
-TMA_MAP_BYTES = 128  # one CUtensorMap, the wgmma flash kernel's view of the QKV rows
+TMA_MAP_BYTES = 128  # one CUtensorMap (the sm_90a kernels read qkv, normed and merge_y through one each)
 FLASH_MIN_BM = 64  # the smallest query tile in kernels.FLASH_BM (kept in step by tests/test_gpu.py)
 
 
@@ -82,7 +84,7 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
         "normed": _round(max(2 * p * h, 2 * m * o)),
         "qkv": qkv,
         "rope": _round(2 * 4 * p * (geo.head_dim // 2)),
-        "index": _round(4 * 2 * p) + _round(16 * max_tiles) + TMA_MAP_BYTES,
+        "index": _round(4 * 2 * p) + _round(16 * max_tiles) + 3 * TMA_MAP_BYTES,
         "workspace": CUBLAS_WORKSPACE,
     }
     return ScratchPlan(p, mlp_rows, merger_rows, max_tiles, slabs, naive_bytes=p * p * (4 + 2))
@@ -115,7 +117,8 @@ class GlmVitScratch:
         self.rope_sin = view("rope", cupy.float32, (p, hd2), 4 * p * hd2)
         self.positions = view("index", cupy.int32, (p, 2))
         self.tiles = view("index", cupy.int32, (plan.max_tiles, 4), _round(4 * 2 * p))
-        self.qkv_map = view("index", cupy.uint8, (TMA_MAP_BYTES,), _round(4 * 2 * p) + _round(16 * plan.max_tiles))
+        maps = view("index", cupy.uint8, (3, TMA_MAP_BYTES), _round(4 * 2 * p) + _round(16 * plan.max_tiles))
+        self.qkv_map, self.normed_map, self.merge_y_map = maps
         # merger phase
         self.merge_a = view("resid", bf16, (m, geo.merge_unit * h))
         self.merge_y = view("normed", bf16, (m, o))

@@ -147,13 +147,14 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
         qkv_bf16 = _to_bf16(qkv)
         flash = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)  # NaN: unwritten rows show
         naive_out = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)
-        tiles = cupy.asarray(flash_work_list(segments, tower.k.flash_bm))  # not the scratch's: the
-        cupy.cuda.runtime.deviceSynchronize()  # engine keeps its own tables there between calls
+        # Our own work list and TMA descriptor, not the scratch's: the engine keeps its tables there
+        tiles = cupy.asarray(flash_work_list(segments, tower.k.flash_bm))  # between calls
+        qkv_map = cupy.asarray(tower.k.qkv_map(qkv_bf16)) if tower.k.hopper else None
+        cupy.cuda.runtime.deviceSynchronize()
         for engine, out in ((tower, flash), (naive_vit.tower, naive_out)):
-            s = engine._scratch()
+            engine._scratch()
             with engine.stream:
-                engine.k.set_qkv_map(qkv_bf16, s.qkv_map, engine.stream)
-                engine._attention(qkv_bf16, out, segments, tiles, len(tiles))
+                engine._attention(qkv_bf16, qkv_map, out, segments, tiles, len(tiles))
             engine.stream.synchronize()
         q32 = _from_bf16(qkv_bf16)
         errs = {"flash": [], "naive": []}
@@ -173,6 +174,49 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
         f, n = max(errs["flash"]), max(errs["naive"])
         print(f"attention {lengths}: flash {f:.2e}, naive {n:.2e}")
         assert f <= ERROR_FACTOR * n, (lengths, f, n)
+
+
+def test_fused_gate_up_swiglu_equals_cublas_then_swiglu(vit):
+    """gemm_swiglu_sm90 (Hopper's fused gate|up GEMM + clamped SwiGLU) against the path it
+    replaces, cuBLAS + swiglu_clamp, both against float32: at the block's shape (K 1024, inter
+    4096, with bias) and the merger's (4096, 10240, none), row counts off the 128-row tile and
+    chunks that start past row 0. Gate and up reach past the clamp (|v| > 10 for ~1%)."""
+    import cupy
+
+    tower = vit.tower
+    k, limit = tower.k, tower.geo.swiglu_limit
+    if not k.hopper:
+        pytest.skip("the fused gate|up kernel is sm_90a only")
+    rng = np.random.default_rng(1)
+
+    def bf16(shape, scale):
+        return _to_bf16(cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale))
+
+    for depth, inter, with_bias in ((1024, 4096, True), (4096, 10240, False)):
+        x_all = bf16((3000, depth), 1.0)
+        w = bf16((2 * inter, depth), 4 * depth ** -0.5)
+        bias = bf16((2 * inter,), 1.0) if with_bias else None
+        x_map, w_map = cupy.asarray(k.gate_up_map(x_all)), cupy.asarray(k.gate_up_map(w))
+        for row0, rows in ((0, 1), (0, 200), (1000, 2000), (2900, 100)):
+            x = x_all[row0:row0 + rows]
+            pre = _from_bf16(x) @ _from_bf16(w).T + (_from_bf16(bias) if with_bias else 0)
+            g, u = pre[:, :inter], pre[:, inter:]
+            g = cupy.minimum(g, limit)
+            want = g / (1 + cupy.exp(-g)) * cupy.clip(u, -limit, limit)
+            fused = cupy.full((rows + 3, 2 * inter), 0xFFFF, dtype=cupy.uint16)  # NaN: writes outside show
+            unfused = cupy.empty((rows, 2 * inter), dtype=cupy.uint16)
+            cupy.cuda.runtime.deviceSynchronize()  # the engine's stream does not wait on the default one
+            with tower.stream:
+                k.gemm_swiglu(x_map, w_map, bias, fused[:rows, :inter], row0, depth, limit)
+                tower.blas.linear(unfused, x, w)
+                k.swiglu_clamp(unfused, bias, limit)
+            tower.stream.synchronize()
+            got = _from_bf16(fused)
+            assert bool(cupy.isnan(got[:, inter:]).all() and cupy.isnan(got[rows:]).all()), (depth, row0, rows)
+            err_f = rel_err(cupy.asnumpy(got[:rows, :inter]), cupy.asnumpy(want))
+            err_c = rel_err(cupy.asnumpy(_from_bf16(unfused[:, :inter])), cupy.asnumpy(want))
+            print(f"gate|up+swiglu K {depth} rows {row0}+{rows}: fused {err_f:.2e}, cuBLAS + swiglu {err_c:.2e}")
+            assert err_f <= ERROR_FACTOR * err_c, (depth, row0, rows, err_f, err_c)
 
 
 def _to_bf16(x):
@@ -251,9 +295,11 @@ def test_cli_auto_uses_the_gpu(tmp_path, real_ckpt):
     assert emb.shape == (grid.prod() // 4, 4096) and np.isfinite(emb).all()
 
 
-@pytest.mark.parametrize("hidden, heads", [(128, 2), (128, 4), (256, 2)])
+@pytest.mark.parametrize("hidden, heads", [(128, 2), (128, 4), (256, 2), (96, 3)])
 def test_small_geometry_runs_too(tmp_path, hidden, heads):
-    """Non-real geometries (head_dim 64, 32, 128) through the same kernels; flash only at 64."""
+    """Non-real geometries (head_dim 64, 32, 128) through the same kernels; flash only at 64.
+    Hidden 96 is not a whole number of the fused gate|up kernel's 64-wide K tiles: its MLPs
+    take the cuBLAS + swiglu_clamp path on Hopper too."""
     geo = dataclasses.replace(GlmVitGeometry(**REAL), depth=2, hidden_size=hidden, num_heads=heads,
                               intermediate_size=256, out_hidden_size=256, projection_intermediate_size=512)
     ckpt = write_checkpoint(tmp_path / "t", geo, seed=3)
@@ -263,7 +309,9 @@ def test_small_geometry_runs_too(tmp_path, hidden, heads):
     ref = GlmVit.from_pretrained(ckpt, backend="numpy").forward(pixels, grid)
     hf = run_transformers(transformers_tower(ckpt, dtype="bfloat16", device="cuda"), pixels, grid)
     for attention in ("flash", "naive") if geo.head_dim == 64 else ("naive",):
-        out = GlmVit.from_pretrained(ckpt, backend="cupy", attention=attention).forward(pixels, grid)
+        vit = GlmVit.from_pretrained(ckpt, backend="cupy", attention=attention)
+        assert vit.tower.fused_mlp == (vit.tower.k.hopper and hidden % 64 == 0)
+        out = vit.forward(pixels, grid)
         for got, want, base in ((out.last_hidden_state, ref.last_hidden_state, hf[0]),
                                 (out.pooler_output, ref.pooler_output, hf[1])):
             assert rel_err(to_np(got), want) <= ERROR_FACTOR * rel_err(base, want)

@@ -44,5 +44,5 @@ def test_every_phase_fits_its_slab(patches, geometry):
     assert slab["qkv"] >= 4 * m * o + 2 * m * o
     assert 1 <= plan.merger_rows <= m
     assert _round(4 * m * o) + plan.merger_rows * 2 * geo.projection_intermediate_size * 2 <= slab["qkv"]
-    # index: positions, the flash work list, one TMA descriptor
-    assert slab["index"] >= 4 * 2 * p + 16 * plan.max_tiles + 128
+    # index: positions, the flash work list, three TMA descriptors (qkv, normed, merge_y)
+    assert slab["index"] >= 4 * 2 * p + 16 * plan.max_tiles + 3 * 128
