@@ -4,25 +4,26 @@
 // [rows, 2 x inter] product never reaches memory and mlp.cu's swiglu pass (a read of 2 x inter
 // and a write of inter per row) disappears. On other GPUs the engine runs cuBLAS + swiglu_clamp.
 //
-// Why it can beat cuBLAS + swiglu: for the gate|up GEMM (K = 1024, N = 8192) cuBLAS reaches
-// ~720 TFLOP/s alone on the H200, and the swiglu pass adds 30% to it at 21316 rows. This kernel
-// runs at ~640 including the epilogue: 14% less time than the pair at 21316 rows, 23% at 32768.
-//
-// Shape: a persistent CTA (one per SM) of 3 warpgroups walks output tiles of 128 rows x 128
-// act columns. WG0 is the producer: one thread issues, per 64-wide k step, TMA loads of the X
-// box [128 rows x 64] and the W boxes of the tile's 128 gate rows and 128 up rows (48 KiB, one
-// of 4 stages). WG1 and WG2 each own 64 of the rows and accumulate a gate and an up tile
-// (m64n128, 2 x 64 f32 a thread) with SS wgmma, so both operands stay in shared memory. The
-// producer runs ahead across tiles: it fills the next tile's stages while the consumers run
-// the epilogue, which is then the only time the tensor cores wait. setmaxnreg hands the
-// producer's registers to the consumers (40 / 232).
-// Tiles go n-fastest (t % n_blocks), so the CTAs in flight share their X rows in L2; W (16 MiB
-// for a block) stays in L2 as well.
-// Measured and not kept (benchmarks/NOTES.md): clusters of 2 CTAs multicasting the W tiles
-// (slower: L2 bandwidth is not the limit here); a non-persistent grid (-4%). The epilogue's
-// IEEE division was 20% of the kernel's time: silu uses the approximate reciprocal.
-// Barriers per stage: full[s] (the stage's TMA bytes) and empty[s] (one arrival from each
-// consumer warpgroup once the wgmma group that read stage s has completed).
+// Shape: a persistent CTA (one per SM) of 4 warpgroups, each with one job, walks output tiles of
+// 128 rows x 128 act columns:
+//   WG0 producer: one thread issues, per 64-wide k step, TMA loads of the X box [128 rows x 64]
+//       and the W boxes of the tile's 128 gate rows and 128 up rows (48 KiB, one of 3 stages).
+//   WG1, WG2 MMA: each owns 64 of the rows and accumulates a gate and an up tile (m64n128, 2 x
+//       64 f32 a thread) with SS wgmma, both operands in shared memory. At the end of a tile
+//       they round gate and up to BF16 (as the cuBLAS path's product is) into a staging tile
+//       in shared memory and go straight on to the next tile.
+//   WG3 epilogue: reads the staging tile, applies bias and the clamped SwiGLU, and writes act
+//       rows with 16-byte stores, while the tensor cores work on the next tile.
+// The first version ran the SwiGLU in the MMA warpgroups' registers: the tensor cores then
+// waited for every epilogue, and it was 12-14% slower (at 21316 rows: 0.58 vs 0.51 ms; cuBLAS's
+// GEMM alone takes 0.52 and with the swiglu pass 0.70). Registers follow the jobs (setmaxnreg):
+// producer 40, epilogue 96, MMA 184 (128 accumulators).
+// Tiles go n-fastest, so the CTAs in flight share their X rows in L2; W (16 MiB for a block)
+// stays in L2 as well. Measured and not kept (benchmarks/NOTES.md): clusters of 2 CTAs
+// multicasting the W tiles (slower); a non-persistent grid (-4%); IEEE division in silu.
+// Barriers: per stage full[s] (its TMA bytes) and empty[s] (one arrival per MMA warpgroup once
+// the wgmma group that read it has completed); per tile staged (256 MMA threads have written the
+// staging tile) and drained (the 128 epilogue threads have read it).
 // Reference: linear + swiglu_clamp in reference.py; cross-check: cuBLAS + mlp.cu's swiglu_clamp.
 #include "wgmma.cuh"
 
@@ -30,10 +31,11 @@ namespace {
 
 using namespace sm90;
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;  // BN: act columns (gate and up rows each)
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;  // BN: act columns (gate and up rows each)
 constexpr int TILE_X = BM * BK, TILE_W = BN * BK;       // elements
 constexpr int STAGE_ELEMS = TILE_X + 2 * TILE_W;
-constexpr int THREADS = 384;
+constexpr int SROW = 2 * BN + 8;  // staging row: gate, up, and 16 bytes that make the fragment stores conflict-free
+constexpr int THREADS = 512;
 
 #define R4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define ACC64(d) R4(d, 0), R4(d, 1), R4(d, 2), R4(d, 3), R4(d, 4), R4(d, 5), R4(d, 6), R4(d, 7), \
@@ -50,21 +52,24 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a
                  : ACC64(d) : "l"(a), "l"(b));
 }
 
-// ex2.approx and rcp.approx; for v -> -inf the quotient goes to -0, as silu does.
+// ex2.approx and rcp.approx (IEEE division was 20% of the first version's time); for v -> -inf
+// the quotient goes to -0, as silu does.
 __device__ __forceinline__ float fast_silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
 }  // namespace
 
-// x_map: TMA map of the GEMM input X [rows, K] (boxes 128 rows x 64), read from row row0;
-// w_map: of the gate|up weight [2 x inter, K] (same boxes). act[r, c] for r < rows lands at
-// act + r * ld_act + c. bias: [2 x inter] or null. K % 64 == 0, inter % 128 == 0 (the engine
-// checks). Grid: min(tiles, SMs); 384 threads; dynamic smem STAGES * 48 KiB + 1 KiB.
+// x_map: TMA map of the GEMM input X (boxes 128 rows x 64), read from row row0; w_map: of the
+// gate|up weight [2 x inter, K] (same boxes). act[r, c] for r < rows lands at act + r * ld_act
+// + c (16-byte aligned rows). bias: [2 x inter] or null. K % 64 == 0, inter % 128 == 0 (the
+// engine checks). Grid: min(tiles, SMs); 512 threads; dynamic smem 3 x 48 KiB stages + the
+// 66 KiB staging tile + 1 KiB of alignment slack (kernels.py).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gemm_swiglu_sm90(const void* __restrict__ x_map, const void* __restrict__ w_map, const bf16* __restrict__ bias,
                  bf16* __restrict__ act, int row0, int rows, int K, int inter, long long ld_act, float limit) {
     extern __shared__ unsigned char smem_raw[];
-    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES], staged, drained;
     bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    bf16* buf = smem + STAGES * STAGE_ELEMS;  // [BM][SROW]
     const int wg = threadIdx.x >> 7, k_steps = K / BK, n_blocks = inter / BN;
     const int tiles = n_blocks * ((rows + BM - 1) / BM);
 
@@ -73,11 +78,13 @@ gemm_swiglu_sm90(const void* __restrict__ x_map, const void* __restrict__ w_map,
             mbar_init(&full[s], 1);
             mbar_init(&empty[s], 2);
         }
+        mbar_init(&staged, 256);
+        mbar_init(&drained, 128);
         mbar_fence_init();
     }
     __syncthreads();
 
-    if (wg == 0) {
+    if (wg == 0) {  // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x == 0) {
             tensormap_acquire(x_map);
@@ -98,12 +105,42 @@ gemm_swiglu_sm90(const void* __restrict__ x_map, const void* __restrict__ w_map,
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    if (wg == 3) {  // epilogue: a warp takes 32 rows, two at a time, 8 columns a lane
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 96;\n");
+        const int half = lane >> 4, cl = (lane & 15) * 8;
+        int n = 0;
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++n) {
+            const int n0 = (t % n_blocks) * BN, m0 = (t / n_blocks) * BM;
+            float bg[8] = {}, bu[8] = {};
+            if (bias != nullptr) {
+                unpack8_bf16(*reinterpret_cast<const uint4*>(bias + n0 + cl), bg);
+                unpack8_bf16(*reinterpret_cast<const uint4*>(bias + inter + n0 + cl), bu);
+            }
+            mbar_wait(&staged, n & 1);
+            #pragma unroll 4
+            for (int i = 0; i < BM / 8; ++i) {
+                const int r = warp * (BM / 4) + 2 * i + half;
+                float g[8], u[8], a[8];
+                unpack8_bf16(*reinterpret_cast<const uint4*>(buf + r * SROW + cl), g);
+                unpack8_bf16(*reinterpret_cast<const uint4*>(buf + r * SROW + BN + cl), u);
+                #pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    a[e] = fast_silu(fminf(g[e] + bg[e], limit)) * fminf(fmaxf(u[e] + bu[e], -limit), limit);
+                if (m0 + r < rows) {
+                    const uint2 lo = pack4_bf16(a[0], a[1], a[2], a[3]), hi = pack4_bf16(a[4], a[5], a[6], a[7]);
+                    *reinterpret_cast<uint4*>(act + (long long)(m0 + r) * ld_act + n0 + cl) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+                }
+            }
+            mbar_arrive(&drained);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 184;\n");  // MMA warpgroups
 
-    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, leader = (threadIdx.x & 127) == 0;
-    int it = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const int n0 = (t % n_blocks) * BN, m0 = (t / n_blocks) * BM;
+    const int leader = (threadIdx.x & 127) == 0;
+    int it = 0, n = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++n) {
         float g[BN / 8][4], u[BN / 8][4];
         #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
@@ -132,28 +169,18 @@ gemm_swiglu_sm90(const void* __restrict__ x_map, const void* __restrict__ w_map,
         fence_regs(g);
         fence_regs(u);
         if (leader) mbar_arrive(&empty[(it - 1) % STAGES]);
-
-        // Accumulator fragment of warp w, lane 4r + c: rows 16w + r (+ 8), columns 8j + 2c (+ 1).
-        const int row = m0 + (wg - 1) * 64 + warp * 16 + (lane >> 2);
+        if (n > 0) mbar_wait(&drained, (n - 1) & 1);  // the epilogue has read the previous tile
+        // Fragment of warp w, lane 4r + c: rows 16w + r (+ 8), columns 8j + 2c (+ 1) of each half.
+        const int r0 = (wg - 1) * 64 + warp * 16 + (lane >> 2);
         #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
-            const int col = n0 + 8 * j + 2 * (lane & 3);
-            float2 bg = make_float2(0.f, 0.f), bu = bg;
-            if (bias != nullptr) {
-                bg = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
-                bu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + inter + col));
-            }
+            const int col = 8 * j + 2 * (lane & 3);
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (row + 8 * h < rows) {
-                    const float a0 = fast_silu(fminf(g[j][2 * h] + bg.x, limit)) *
-                                     fminf(fmaxf(u[j][2 * h] + bu.x, -limit), limit);
-                    const float a1 = fast_silu(fminf(g[j][2 * h + 1] + bg.y, limit)) *
-                                     fminf(fmaxf(u[j][2 * h + 1] + bu.y, -limit), limit);
-                    *reinterpret_cast<__nv_bfloat162*>(act + (long long)(row + 8 * h) * ld_act + col) =
-                        __floats2bfloat162_rn(a0, a1);
-                }
+                *reinterpret_cast<__nv_bfloat162*>(buf + (r0 + 8 * h) * SROW + col) = __floats2bfloat162_rn(g[j][2 * h], g[j][2 * h + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(buf + (r0 + 8 * h) * SROW + BN + col) = __floats2bfloat162_rn(u[j][2 * h], u[j][2 * h + 1]);
             }
         }
+        mbar_arrive(&staged);
     }
 }

@@ -120,8 +120,9 @@ class Kernels:
         self.flash_bm = FLASH_BM[flash]
         self._maps = TensorMaps() if self.hopper else None
         self._sms = device.attributes["MultiProcessorCount"]
-        # 4 stages of a 128-row X box and two 128-row W boxes, 64 columns each, + alignment slack
-        self._gemm_smem = 4 * 3 * 128 * 64 * 2 + 1024
+        # 3 stages of a 128-row X box and two 128-row W boxes (64 columns each), the staging tile
+        # (128 rows of 2 x 128 + 8 BF16), alignment slack
+        self._gemm_smem = 3 * 3 * 128 * 64 * 2 + 128 * 264 * 2 + 1024
         if self.hopper:
             self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self._gemm_smem
         # mma.sync: Q and 2 K/V stages. wgmma: 3 K/V stages (Q passes through one) and 1 KiB of
@@ -196,7 +197,7 @@ class Kernels:
         half of a gate|up buffer). One persistent CTA per SM at most."""
         rows, inter = act.shape
         tiles = inter // GATE_UP_TILE[1] * -(-rows // 128)
-        self._f["gemm_swiglu_sm90"]((min(tiles, self._sms),), (384,),
+        self._f["gemm_swiglu_sm90"]((min(tiles, self._sms),), (512,),
                                     (x_map, w_map, bias if bias is not None else np.uint64(0), act, np.int32(row0),
                                      np.int32(rows), np.int32(k), np.int32(inter),
                                      np.int64(act.strides[0] // act.itemsize), np.float32(limit)),
