@@ -11,9 +11,8 @@ differences are where the data lives and how it is rounded:
   kernels that consume those products; the v bias rides in the same running sums (bias_sums).
 - Attention is the fused flash kernel (default) or the seed's materialised path
   (attention="naive": f32 score GEMM, softmax_rows, PV GEMM) kept as the cross-check.
-- On Hopper the QKV GEMM and qknorm_rope are one kernel, and so are the MLPs' gate|up GEMM
-  and clamped SwiGLU (gemm_sm90.cu, operands read by TMA); elsewhere, or for dims off their
-  tiles, cuBLAS and the separate kernels.
+- On Hopper the MLPs' gate|up GEMM and clamped SwiGLU are one kernel (gemm_swiglu_sm90.cu)
+  reading its operands by TMA; elsewhere (or for dims not in its tiles) cuBLAS + swiglu_clamp.
 - Memory is the preallocated `GlmVitScratch`, allocated on the first image.
 - A shape seen a second time is captured as a CUDA graph and replayed from then on (a launch
   from Python costs ~9 us, a replayed node ~1 us; 24 blocks are ~250 launches). The first
@@ -32,7 +31,7 @@ import numpy as np
 from .checkpoint import GlmVitTensors, TowerWeights, structure
 from .cublas import Cublas
 from .errors import GlmVitError
-from .kernels import FLASH_HEAD_DIMS, GEMM_TILE, QKNORM_HEAD_DIMS, Kernels
+from .kernels import FLASH_HEAD_DIMS, GATE_UP_TILE, QKNORM_HEAD_DIMS, Kernels
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS, bf16_to_f32
 from .scratch import GlmVitScratch, scratch_plan
@@ -116,22 +115,17 @@ class CupyTower:
             return self.arena[start:start + raw.size].reshape(raw.shape)
 
         self.w: GlmVitTensors[cupy.ndarray] = structure(weights, on_device)
-        # The fused GEMMs need whole tiles: the gate|up one K % 64 and intermediate % 128 (the
-        # real tower's 1024/4096 and 4096/10240 are), the QKV one head_dim 64. They read each
-        # weight through a TMA descriptor made here, once; those of their inputs live in the
-        # scratch.
+        # The fused gate|up kernel needs whole tiles: K % 64 and intermediate % 128 (the real
+        # tower's 1024/4096 and 4096/10240 are). It reads each gate|up weight through a TMA
+        # descriptor made here, once; those of its inputs live in the scratch.
         mlps = ((geo.hidden_size, geo.intermediate_size), (geo.out_hidden_size, geo.projection_intermediate_size))
-        self.fused_mlp = self.k.hopper and all(k % GEMM_TILE[0] == 0 and n % GEMM_TILE[1] == 0 for k, n in mlps)
-        self.fused_qkv = self.k.hopper and geo.head_dim == 64
-
-        def maps(ws: list[cupy.ndarray]) -> cupy.ndarray:  # [len(ws), 128] bytes
-            return cupy.asarray(np.stack([self.k.gemm_map(w) for w in ws]))
-
+        self.fused_mlp = self.k.hopper and all(k % GATE_UP_TILE[0] == 0 and n % GATE_UP_TILE[1] == 0
+                                               for k, n in mlps)
+        gate_up_ws = [blk.gate_up_w for blk in self.w.blocks] + [self.w.merger.gate_up_w]
         with self.stream:
             self.shifts = cupy.asarray(bias_sums(weights))  # [2 * depth + 1, h], see bias_sums
-            self.qkv_maps = maps([blk.qkv_w for blk in self.w.blocks]) if self.fused_qkv else None
-            self.gate_up_maps = (maps([blk.gate_up_w for blk in self.w.blocks] + [self.w.merger.gate_up_w])
-                                 if self.fused_mlp else None)  # the merger's last
+            self.gate_up_maps = (cupy.asarray(np.stack([self.k.gate_up_map(w) for w in gate_up_ws]))
+                                 if self.fused_mlp else None)  # [depth + 1, 128] bytes, the merger's last
         self.scratch: GlmVitScratch | None = None
         self.graphs: OrderedDict[bytes, cupy.cuda.graph.Graph] = OrderedDict()
         self.seen: set[bytes] = set()
@@ -151,9 +145,9 @@ class CupyTower:
         if self.scratch is None:
             with self.stream:
                 s = self.scratch = GlmVitScratch(self.geo, self.plan, naive=self.attention_kind == "naive")
-                if self.k.hopper:  # over all p_max rows: rows past a call's p feed only unstored output rows
-                    s.normed_map.set(self.k.gemm_map(s.normed), stream=self.stream)
-                    s.merge_y_map.set(self.k.gemm_map(s.merge_y), stream=self.stream)
+                if self.fused_mlp:  # over all p_max rows: rows past a call's p feed only unstored output rows
+                    s.normed_map.set(self.k.gate_up_map(s.normed), stream=self.stream)
+                    s.merge_y_map.set(self.k.gate_up_map(s.merge_y), stream=self.stream)
             self.blas.set_workspace(self.scratch.workspace)
         return self.scratch
 
@@ -222,12 +216,8 @@ class CupyTower:
         mark("patch_embed")
         for i, blk in enumerate(w.blocks):  # step 5
             k.rmsnorm_bias(resid, self.shifts[2 * i], blk.norm1_w, normed, eps)
-            if self.fused_qkv:
-                k.gemm_qkv_rope(s.normed_map, self.qkv_maps[i], blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, qkv,
-                                geo.hidden_size, eps)
-            else:
-                blas.linear(qkv, normed, blk.qkv_w)
-                k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
+            blas.linear(qkv, normed, blk.qkv_w)
+            k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
             self._attention(qkv, s.qkv_map, normed, segments, s.tiles, n_tiles)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
             mark("attention")

@@ -10,7 +10,7 @@ waits on a compile; later processes hit CuPy's cache.
 
 Each launcher states its grid, block and shared memory and takes CuPy arrays whose shapes
 the engine guarantees; the kernels' own files say why they are shaped the way they are.
-The sm_90a kernels (wgmma flash attention, the GEMMs with fused epilogues) read their tiles
+The sm_90a kernels (wgmma flash attention, the fused gate|up GEMM + SwiGLU) read their tiles
 by TMA, through descriptors the driver API encodes (`TensorMaps`: CuPy has no wrapper for it).
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
 FLASH_BN = 64  # keys per K/V tile (both kernels)
 FLASH_BM = {"flash_attention": 128, "flash_attention_sm90": 64}  # queries per CTA
-GEMM_TILE = (64, 128)  # gemm_sm90.cu: the k step, and the rows of a TMA box (of X, of each W half)
+GATE_UP_TILE = (64, 128)  # gemm_swiglu_sm90: K and act columns come in whole tiles of these
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
 _REQUIRES = re.compile(r"^// requires: (sm_\w+)$", re.M)
@@ -104,8 +104,8 @@ class Kernels:
     """Every kernel the engine launches, compiled at construction."""
 
     def __init__(self) -> None:
-        # Hopper runs the wgmma flash kernel and the GEMMs with fused epilogues; every other GPU
-        # the mma.sync flash kernel, and cuBLAS followed by swiglu_clamp / qknorm_rope.
+        # Hopper runs the wgmma flash kernel and the fused gate|up GEMM; every other GPU the
+        # mma.sync flash kernel and cuBLAS + swiglu_clamp.
         device = cupy.cuda.Device()
         self.hopper = device.compute_capability == "90"
         flash = "flash_attention_sm90" if self.hopper else "flash_attention"
@@ -114,7 +114,7 @@ class Kernels:
                  "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
                  flash: (f"{flash}_hd64",)}
         if self.hopper:
-            names["gemm_sm90"] = ("gemm_swiglu_sm90", "gemm_qkv_rope_sm90")
+            names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
         self._flash = self._f[f"{flash}_hd64"]
         self.flash_bm = FLASH_BM[flash]
@@ -124,8 +124,7 @@ class Kernels:
         # (128 rows of 2 x 128 + 8 BF16), alignment slack
         self._gemm_smem = 3 * 3 * 128 * 64 * 2 + 128 * 264 * 2 + 1024
         if self.hopper:
-            for name in names["gemm_sm90"]:
-                self._f[name].max_dynamic_shared_size_bytes = self._gemm_smem
+            self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self._gemm_smem
         # mma.sync: Q and 2 K/V stages. wgmma: 3 K/V stages (Q passes through one) and 1 KiB of
         # slack to align the tiles to the 1024-byte swizzle atom.
         tile = FLASH_BN * 64 * 2
@@ -186,35 +185,23 @@ class Kernels:
         holds the row count, so it is written per grid, outside any graph. Hopper only."""
         return self._maps.rows(qkv, FLASH_BN, 64)
 
-    def gemm_map(self, array: cupy.ndarray) -> np.ndarray:
-        """The TMA descriptor gemm_sm90.cu's kernels read an X or W operand through (128-row
-        boxes). Hopper only."""
-        return self._maps.rows(array, GEMM_TILE[1], GEMM_TILE[0])
+    def gate_up_map(self, array: cupy.ndarray) -> np.ndarray:
+        """The TMA descriptor gemm_swiglu reads an X or W operand through (128-row boxes).
+        Hopper only."""
+        return self._maps.rows(array, GATE_UP_TILE[1], GATE_UP_TILE[0])
 
     def gemm_swiglu(self, x_map: cupy.ndarray, w_map: cupy.ndarray, bias: cupy.ndarray | None, act: cupy.ndarray,
                     row0: int, k: int, limit: float) -> None:
         """act[r] = swiglu_clamp(X[row0 + r] . W^T + bias) for each row r of act, X and W [2 x
-        inter, k] read through their maps (gemm_map); act may be a strided view (the gate
+        inter, k] read through their maps (gate_up_map); act may be a strided view (the gate
         half of a gate|up buffer). One persistent CTA per SM at most."""
         rows, inter = act.shape
-        tiles = inter // GEMM_TILE[1] * -(-rows // 128)
+        tiles = inter // GATE_UP_TILE[1] * -(-rows // 128)
         self._f["gemm_swiglu_sm90"]((min(tiles, self._sms),), (512,),
                                     (x_map, w_map, bias if bias is not None else np.uint64(0), act, np.int32(row0),
                                      np.int32(rows), np.int32(k), np.int32(inter),
                                      np.int64(act.strides[0] // act.itemsize), np.float32(limit)),
                                     shared_mem=self._gemm_smem)
-
-    def gemm_qkv_rope(self, x_map: cupy.ndarray, w_map: cupy.ndarray, bias: cupy.ndarray, q_w: cupy.ndarray,
-                      k_w: cupy.ndarray, cos: cupy.ndarray, sin: cupy.ndarray, qkv: cupy.ndarray, k: int,
-                      eps: float) -> None:
-        """qkv = X[:rows] . W^T with q and k through qknorm_rope's bias, RMSNorm and RoPE, v as
-        it comes: X and W [3h, k] read through their maps (gemm_map). Head dim 64."""
-        rows, width = qkv.shape
-        tiles = -(-width // (2 * GEMM_TILE[1])) * -(-rows // 128)
-        self._f["gemm_qkv_rope_sm90"]((min(tiles, self._sms),), (512,),
-                                      (x_map, w_map, bias, q_w, k_w, cos, sin, qkv, np.int32(0), np.int32(rows),
-                                       np.int32(k), np.int32(width // 3), np.float32(eps)),
-                                      shared_mem=self._gemm_smem)
 
     def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, tiles: cupy.ndarray,
                         n_tiles: int, heads: int, head_dim: int) -> None:
