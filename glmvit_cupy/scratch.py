@@ -14,7 +14,9 @@ half of transformers' at 2044x2044 (see BENCHMARKS.md):
   qkv       pixels bf16 [P, patch_dim], then QKV    last_hidden_state f32 [M, out] + its bf16 copy,
             bf16 [P, 3h] (q, k normed + roped),     then (over the copy) merger gate|up of a
             then gate|up of a chunk of MLP rows     chunk of rows [merger chunk, 2 x projection]
-            [MLP_CHUNK, 2 x inter] (act in place)
+            [MLP_CHUNK, 2 x inter] (act in place;   (the fused kernel: act of twice the rows)
+            the fused kernel on Hopper writes act
+            [2 x MLP_CHUNK, inter] instead)
   rope      cos, sin f32 [P, hd/2]                  -
   index     positions int32 [P, 2], flash work list,  -
             TMA descriptors: of the QKV rows (flash
@@ -30,7 +32,7 @@ path needs none.
 P = p_max, M = p_max / 4. The MLP runs in row chunks so its 2 x intermediate-wide product
 never needs P rows; the chunk lives in the qkv slab, dead between the attention and the next
 block's QKV GEMM, so it needs no slab of its own (4096-row chunks: 8192 measured the same,
-within 2%). A kernel never reads and writes the same slab unless each thread writes only
+within 2%; engine._mlp splits the rows into equal chunks of whole 128-row tiles). A kernel never reads and writes the same slab unless each thread writes only
 what it read itself (the in-place swiglu and qknorm_rope): the im2col permutes rows across
 threads, so its output cannot sit on its input's slab.
 """
