@@ -32,9 +32,10 @@ path needs none.
 P = p_max, M = p_max / 4. The MLP runs in row chunks so its 2 x intermediate-wide product
 never needs P rows; the chunk lives in the qkv slab, dead between the attention and the next
 block's QKV GEMM, so it needs no slab of its own (4096-row chunks: 8192 measured the same,
-within 2%; engine._mlp splits the rows into equal chunks of whole 128-row tiles). A kernel never reads and writes the same slab unless each thread writes only
-what it read itself (the in-place swiglu and qknorm_rope): the im2col permutes rows across
-threads, so its output cannot sit on its input's slab.
+within 2%; engine._mlp splits the rows into equal chunks of whole 128-row tiles). A kernel
+never reads and writes the same slab unless each thread writes only what it read itself (the
+in-place swiglu and qknorm_rope): the im2col permutes rows across threads, so its output
+cannot sit on its input's slab.
 """
 
 from __future__ import annotations
