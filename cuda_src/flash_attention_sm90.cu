@@ -8,10 +8,11 @@
 // (K, V) straight from shared memory through descriptors, so a warp no longer spends issue
 // slots and registers on ldmatrix fragments for them.
 //
-// Shape: a CTA is one warpgroup (128 threads) on one (64-query tile, head); each warp owns 16
-// query rows, with the same accumulator fragment layout as mma.sync (attention.cuh), so
-// masking, the online softmax, the P re-pack and the store are shared with flash_attention.cu.
-// Q is loaded once into registers (A fragments). Per 64-key tile j:
+// Shape: a CTA is WGS warpgroups (1, 2 or 4: one kernel each) on one (64 x WGS-query tile,
+// head); a warpgroup owns 64 query rows and each warp 16, with the same accumulator fragment
+// layout as mma.sync (attention.cuh), so masking, the online softmax, the P re-pack and the
+// store are shared with flash_attention.cu. Q is loaded once into registers (A fragments). Per
+// 64-key tile j, in each warpgroup:
 //   S_j = Q K_j^T         4 x wgmma m64n64k16, B = K from swizzled shared memory (K-major)
 //   O += P_{j-1} V_{j-1}  4 x wgmma m64n64k16, A = P from registers, B = V from shared memory
 //                         read N-major (the "transpose B" bit): V keeps its [key][dim] layout;
@@ -20,14 +21,20 @@
 // That software pipeline (FA3's intra-warpgroup overlap) is why the loop looks the way it
 // does: issued back to back, QK^T, softmax and PV leave the tensor cores idle during the
 // exponentials, which at head_dim 64 take as long as the MMAs. S_j, P_{j-1}, O, the row sums
-// and Q are all live at once (100 of a thread's 126 registers); 4 CTAs share an SM. One warpgroup a CTA,
-// not two sharing K/V tiles: a CTA-wide barrier per tile kept two warpgroups in lockstep, and
-// 1024- to 5476-key segments ran 7-10% slower that way (21316: the same).
+// and Q are all live at once (100 of a thread's 126 registers); 16 warps share an SM.
+// Why several warpgroups a CTA: they read each K/V tile from L2 once for all of them. Alone, in
+// short bursts, one warpgroup a CTA is fastest (21316 keys: 502 TFLOP/s against 426 and 449 for
+// 2 and 4); in the whole forward, where the H200 sits at its 700 W cap and its clock follows
+// power, 4 ran 2044x2044 3.3% faster and 1036x1036 1.7% (benchmarks/NOTES.md). The engine
+// takes the widest tile that still gives every SM a CTA (kernels.Kernels.flash_bm).
 // K/V tiles go through 3 shared-memory stages: tile j is read by S_j, tile j-1 by the PV still
 // in flight, and tile j+1 loads meanwhile. One thread loads them with TMA (cp.async.bulk.tensor,
 // a 64 x 64 box per instruction, 128B-swizzled by the copy engine into the layout the
 // descriptors declare, rows past the buffer's end zero-filled) and arms the stage's mbarrier
-// with the bytes to expect; everyone waits on its phase. The cp.async version spent 80 of its
+// with the bytes to expect; everyone waits on its phase. With several warpgroups, the last one
+// done with a stage (a shared counter) refills it, so none waits for the others unless it runs
+// a whole tile ahead (a CTA-wide barrier per tile, in the first two-warpgroup version, kept
+// them in lockstep and cost 7-10% at 1024-5476 keys). The cp.async version spent 80 of its
 // ~310 instructions per warp and tile on load addresses and row guards: TMA took the kernel
 // from 435 to 457 TFLOP/s at 21316 keys and from 399 to 445 at 5476; the tensor-core row sums
 // and stepped stage indices (instead of j % 3) then to 502 at 21316 (benchmarks/NOTES.md).
@@ -41,10 +48,8 @@ using namespace attn;
 using namespace sm90;
 
 constexpr int HD = 64;
-constexpr int BM = 64;       // queries per CTA (one warpgroup)
-constexpr int BN = 64;       // keys per pipeline stage
+constexpr int BN = 64;       // keys per pipeline stage (and query rows per warpgroup)
 constexpr int STAGES = 3;    // K/V shared-memory stages (see the header)
-constexpr int THREADS = 128;
 
 #define ACC32(d)                                                                                  \
     "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
@@ -102,51 +107,57 @@ __device__ __forceinline__ void issue_pv(float (&acc)[HD / 8 + 1][4], const unsi
     wgmma_commit();
 }
 
-}  // namespace
+// Named barrier of one warpgroup (ids 1-4; constant ids, since a register id reserves all 16).
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+    switch (wg) {
+        case 0: asm volatile("bar.sync 1, 128;\n" ::: "memory"); break;
+        case 1: asm volatile("bar.sync 2, 128;\n" ::: "memory"); break;
+        case 2: asm volatile("bar.sync 3, 128;\n" ::: "memory"); break;
+        default: asm volatile("bar.sync 4, 128;\n" ::: "memory"); break;
+    }
+}
 
-// Dynamic shared memory: 1 KiB of alignment slack + 3 K + 3 V tiles (48 KiB); Q passes through
-// the third K stage on its way into registers. `qkv_map` is the TMA descriptor of the QKV buffer
-// (tma_map in kernels.py): [P rows, 3 x heads x HD columns], boxes of 64 rows x 64 columns in
-// the 128B swizzle, rows at or past P read as zeros.
-extern "C" __global__ void __launch_bounds__(THREADS, 4)
-flash_attention_sm90_hd64(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
-                          int heads, float scale_log2) {
+// WGS warpgroups a CTA, 64 query rows each, sharing every K/V stage.
+template <int WGS>
+__device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const int4* tiles, int heads,
+                                           float scale_log2) {
     constexpr int NS = BN / 8, NO = HD / 8, TILE = BN * HD;
-    static_assert(BM == BN, "Q is staged in a K tile");
+    static_assert(BN == 64, "Q is staged in 64-row tiles");
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[STAGES + 1];  // per K/V stage, then Q's
+    __shared__ unsigned released[STAGES];  // WGS > 1: warpgroups done with a stage (atomicInc wraps at WGS)
     __shared__ __align__(256) bf16 ones[128];
     bf16* sK = reinterpret_cast<bf16*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));  // [STAGES][BN][HD]
-    bf16* sV = sK + STAGES * TILE;   // [STAGES][BN][HD]
-    bf16* sQ = sK + 2 * TILE;        // until tile 2 loads
+    bf16* sV = sK + STAGES * TILE;  // [STAGES][BN][HD]
+    bf16* sQ = WGS == 1 ? sK + 2 * TILE : sV + STAGES * TILE;  // one warpgroup: in K stage 2 until tile 2 loads
 
     const int4 entry = tiles[blockIdx.x];
     const int seg_start = entry.x, seg_len = entry.y, q0 = entry.z, head = blockIdx.y, h = heads * HD;
     const int n_tiles = (seg_len + BN - 1) / BN;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int t = lane & 3;
-    const bool leader = threadIdx.x == 0;
-    auto load_kv = [&](int j, int stage) {  // key tile j into stage j % STAGES (leader only)
+    const bool leader = threadIdx.x == 0, wg_leader = (threadIdx.x & 127) == 0;
+    auto load_kv = [&](int j, int stage) {  // key tile j into stage j % STAGES (one thread)
         expect_bytes(&full[stage], 2 * TILE * 2);
         tma_load(sK + stage * TILE, qkv_map, h + head * HD, seg_start + j * BN, &full[stage]);
         tma_load(sV + stage * TILE, qkv_map, 2 * h + head * HD, seg_start + j * BN, &full[stage]);
     };
 
-    ones[threadIdx.x] = __float2bfloat16(1.f);
+    if (threadIdx.x < 128) ones[threadIdx.x] = __float2bfloat16(1.f);
+    if (threadIdx.x < STAGES) released[threadIdx.x] = 0;
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma after the barrier
     const unsigned long long ones_desc = ones_descriptor(ones);
     // Stages are contiguous, so a stage's descriptor is the first one's plus its byte offset >> 4.
     const unsigned long long k_desc = descriptor(sK), v_desc = descriptor(sV);
     constexpr unsigned long long STAGE_STEP = TILE * 2 >> 4;
+    if (wg_leader) tensormap_acquire(qkv_map);  // the threads that issue copies
     if (leader) {
         #pragma unroll
         for (int i = 0; i <= STAGES; ++i) mbar_init(&full[i], 1);
         mbar_fence_init();
-        tensormap_acquire(qkv_map);
-        expect_bytes(&full[STAGES], TILE * 2);
-        tma_load(sQ, qkv_map, head * HD, seg_start + q0, &full[STAGES]);
-        load_kv(0, 0);
-        if (n_tiles > 1) load_kv(1, 1);
+        expect_bytes(&full[STAGES], WGS * TILE * 2);
+        for (int w = 0; w < WGS; ++w) tma_load(sQ + w * TILE, qkv_map, head * HD, seg_start + q0 + 64 * w, &full[STAGES]);
+        for (int j = 0; j < (WGS == 1 ? 2 : STAGES) && j < n_tiles; ++j) load_kv(j, j);
     }
     __syncthreads();  // the barriers are initialised before anyone waits on them
 
@@ -161,7 +172,7 @@ flash_attention_sm90_hd64(const void* __restrict__ qkv_map, bf16* __restrict__ o
     mbar_wait(&full[STAGES], 0);
     #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks)
-        ldmatrix_x4(q[ks], sQ + swz<HD>(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+        ldmatrix_x4(q[ks], sQ + wg * TILE + swz<HD>(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)));
     mbar_wait(&full[0], 0);
     fence_regs(s);
     wgmma_fence();
@@ -186,8 +197,17 @@ flash_attention_sm90_hd64(const void* __restrict__ qkv_map, bf16* __restrict__ o
         for (int kk = 0; kk < BN / 16; ++kk) p_fragment(a[kk], s, kk);
         if (j == n_tiles) break;
 
-        __syncthreads();  // every warp is past P_{j-2} V_{j-2} (and, at j = 1, past reading Q)
-        if (leader && j + 1 < n_tiles) load_kv(j + 1, 3 - prev - cur);  // into the stage of tile j - 2
+        const int free = 3 - prev - cur;  // the stage of tile j - 2 (at j = 1: Q's, or tile 2's)
+        if (WGS == 1) {
+            __syncthreads();  // every warp is past P_{j-2} V_{j-2} (and, at j = 1, past reading Q)
+            if (leader && j + 1 < n_tiles) load_kv(j + 1, free);
+        } else if (j >= 2) {  // the last warpgroup done with tile j - 2 refills its stage
+            warpgroup_sync(wg);
+            if (wg_leader) {
+                __threadfence_block();
+                if (atomicInc(&released[free], WGS - 1) == WGS - 1 && j + 1 < n_tiles) load_kv(j + 1, free);
+            }
+        }
         mbar_wait(&full[cur], phase);  // tile j
 
         fence_regs(s);
@@ -212,5 +232,30 @@ flash_attention_sm90_hd64(const void* __restrict__ qkv_map, bf16* __restrict__ o
     wgmma_wait<0>();
     fence_regs(o);
     const float l_row[2] = {o[NO][0], o[NO][2]};
-    store_rows(reinterpret_cast<const float (&)[NO][4]>(o), l_row, out, seg_start, seg_len, q0 + warp * 16, h, head, lane >> 2, t);
+    store_rows(reinterpret_cast<const float (&)[NO][4]>(o), l_row, out, seg_start, seg_len, q0 + wg * 64 + warp * 16,
+               h, head, lane >> 2, t);
+}
+
+}  // namespace
+
+// Dynamic shared memory: 1 KiB of alignment slack + 3 K + 3 V tiles (48 KiB), and with more than
+// one warpgroup their Q tiles (8 KiB each). `qkv_map` is the TMA descriptor of the QKV buffer
+// (qkv_map in kernels.py): [P rows, 3 x heads x HD columns], boxes of 64 rows x 64 columns in
+// the 128B swizzle, rows at or past P read as zeros. Grid (work-list entries, heads).
+extern "C" __global__ void __launch_bounds__(128, 4)
+flash_attention_sm90_hd64(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
+                          int heads, float scale_log2) {
+    flash_tile<1>(qkv_map, out, tiles, heads, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+flash_attention_sm90_hd64_wg2(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
+                              int heads, float scale_log2) {
+    flash_tile<2>(qkv_map, out, tiles, heads, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1)
+flash_attention_sm90_hd64_wg4(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
+                              int heads, float scale_log2) {
+    flash_tile<4>(qkv_map, out, tiles, heads, scale_log2);
 }

@@ -129,10 +129,10 @@ class CupyTower:
         self.scratch: GlmVitScratch | None = None
         self.graphs: OrderedDict[bytes, cupy.cuda.graph.Graph] = OrderedDict()
         self.seen: set[bytes] = set()
-        # Per grid_thw: the host tables (segments, flash work list, RoPE positions), and which
+        # Per grid_thw: the host tables (segments, flash query tile and work list, RoPE positions), and which
         # grid's tables the scratch holds now. Building and uploading them took 0.07 ms at 448
         # and 1.1 ms at 32x448 (numpy), time the GPU sat idle in front of a replayed graph.
-        self.tables: OrderedDict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self.tables: OrderedDict[bytes, tuple[np.ndarray, int, np.ndarray, np.ndarray]] = OrderedDict()
         self.uploaded: bytes | None = None
         self.stream.synchronize()
 
@@ -165,12 +165,13 @@ class CupyTower:
         key = grid_thw.tobytes()
         if key not in self.tables:
             segments = frame_segments(grid_thw)
-            self.tables[key] = (segments, flash_work_list(segments, self.k.flash_bm),
+            bm = self.k.flash_bm(segments[:, 1].tolist(), geo.num_heads)
+            self.tables[key] = (segments, bm, flash_work_list(segments, bm),
                                 block_major_positions(grid_thw, geo.spatial_merge_size))
             if len(self.tables) > MAX_GRAPHS:
                 self.tables.popitem(last=False)
         self.tables.move_to_end(key)
-        segments, tiles, positions = self.tables[key]
+        segments, bm, tiles, positions = self.tables[key]
         m = p // geo.merge_unit
         caller = cupy.cuda.get_current_stream()
         with self.stream:
@@ -185,25 +186,25 @@ class CupyTower:
                     s.qkv_map.set(self.k.qkv_map(s.qkv[:p]), stream=self.stream)
                 self.uploaded = key
             if marks is not None:  # stage timing: always eager
-                self._body(p, segments, len(tiles), marks)
+                self._body(p, segments, len(tiles), bm, marks)
             elif key in self.graphs:
                 self.graphs.move_to_end(key)
                 self.graphs[key].launch(self.stream)
             elif key in self.seen:
                 self.stream.begin_capture()
-                self._body(p, segments, len(tiles), None)
+                self._body(p, segments, len(tiles), bm, None)
                 graph = self.graphs[key] = self.stream.end_capture()
                 if len(self.graphs) > MAX_GRAPHS:
                     self.graphs.popitem(last=False)
                 graph.launch(self.stream)
             else:
                 self.seen.add(key)
-                self._body(p, segments, len(tiles), None)
+                self._body(p, segments, len(tiles), bm, None)
             last_hidden, pooler = s.last_hidden[:m].copy(), s.pooler[:m].copy()
         self.stream.synchronize()
         return last_hidden, pooler
 
-    def _body(self, p: int, segments: np.ndarray, n_tiles: int, marks) -> None:
+    def _body(self, p: int, segments: np.ndarray, n_tiles: int, bm: int, marks) -> None:
         """Steps 1-8 of SPEC.md's forward pass: no allocation, no host sync (graph-capturable)."""
         geo, s, k, blas, w = self.geo, self.scratch, self.k, self.blas, self.w
         mark = marks or (lambda stage: None)
@@ -218,7 +219,7 @@ class CupyTower:
             k.rmsnorm_bias(resid, self.shifts[2 * i], blk.norm1_w, normed, eps)
             blas.linear(qkv, normed, blk.qkv_w)
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
-            self._attention(qkv, s.qkv_map, normed, segments, s.tiles, n_tiles)  # attention output -> normed
+            self._attention(qkv, s.qkv_map, normed, segments, s.tiles, n_tiles, bm)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
             mark("attention")
             k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
@@ -229,10 +230,10 @@ class CupyTower:
         mark("merger")
 
     def _attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, segments: np.ndarray,
-                   tiles: cupy.ndarray, n_tiles: int) -> None:
+                   tiles: cupy.ndarray, n_tiles: int, bm: int) -> None:
         geo, s = self.geo, self.scratch
         if self.attention_kind == "flash":
-            self.k.flash_attention(qkv, qkv_map, out, tiles, n_tiles, geo.num_heads, geo.head_dim)
+            self.k.flash_attention(qkv, qkv_map, out, tiles, n_tiles, geo.num_heads, geo.head_dim, bm)
             return
         h, hd = geo.hidden_size, geo.head_dim
         for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time

@@ -25,7 +25,9 @@ import numpy as np
 
 FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
 FLASH_BN = 64  # keys per K/V tile (both kernels)
-FLASH_BM = {"flash_attention": 128, "flash_attention_sm90": 64}  # queries per CTA
+# Queries per CTA each flash kernel comes in: mma.sync one; wgmma 64 per warpgroup, 1, 2 or 4 a CTA
+# sharing every K/V tile (kernel names: _hd64, _hd64_wg2, _hd64_wg4)
+FLASH_BM = {"flash_attention": (128,), "flash_attention_sm90": (256, 128, 64)}
 GATE_UP_TILE = (64, 128)  # gemm_swiglu_sm90: K and act columns come in whole tiles of these
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
@@ -96,6 +98,10 @@ class TensorMaps:
         return out.view(np.uint8).copy()
 
 
+def _flash_name(module: str, bm: int) -> str:
+    return f"{module}_hd64" + (f"_wg{bm // 64}" if module.endswith("sm90") and bm > 64 else "")
+
+
 def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
     return (max(1, min(cap, -(-n // block))),)
 
@@ -112,12 +118,11 @@ class Kernels:
         names = {"convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
                  "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
                  "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
-                 flash: (f"{flash}_hd64",)}
+                 flash: tuple(_flash_name(flash, bm) for bm in FLASH_BM[flash])}
         if self.hopper:
             names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
-        self._flash = self._f[f"{flash}_hd64"]
-        self.flash_bm = FLASH_BM[flash]
+        self.flash_bms = FLASH_BM[flash]
         self._maps = TensorMaps() if self.hopper else None
         self._sms = device.attributes["MultiProcessorCount"]
         # 3 stages of a 128-row X box and two 128-row W boxes (64 columns each), the staging tile
@@ -125,12 +130,17 @@ class Kernels:
         self._gemm_smem = 3 * 3 * 128 * 64 * 2 + 128 * 264 * 2 + 1024
         if self.hopper:
             self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self._gemm_smem
-        # mma.sync: Q and 2 K/V stages. wgmma: 3 K/V stages (Q passes through one) and 1 KiB of
-        # slack to align the tiles to the 1024-byte swizzle atom.
+        # Per query tile: the function, its threads and dynamic shared memory. mma.sync: Q and 2
+        # K/V stages, 128 threads. wgmma: a warpgroup per 64 queries; 3 K/V stages, the Q tiles
+        # (one warpgroup's passes through a K stage), 1 KiB of slack for the 1024-byte swizzle atom.
         tile = FLASH_BN * 64 * 2
-        self._flash_smem = 6 * tile + 1024 if self.hopper else self.flash_bm * 64 * 2 + 4 * tile
-        self._flash_threads = 128
-        self._flash.max_dynamic_shared_size_bytes = self._flash_smem
+        self._flash = {}
+        for bm in self.flash_bms:
+            f = self._f[_flash_name(flash, bm)]
+            threads, smem = (2 * bm, (6 + (bm // 64 if bm > 64 else 0)) * tile + 1024) if self.hopper else \
+                (128, bm * 64 * 2 + 4 * tile)
+            f.max_dynamic_shared_size_bytes = smem
+            self._flash[bm] = (f, threads, smem)
 
     def f32_to_bf16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
         n4 = src.size // 4
@@ -203,10 +213,23 @@ class Kernels:
                                      np.int64(act.strides[0] // act.itemsize), np.float32(limit)),
                                     shared_mem=self._gemm_smem)
 
+    def flash_bm(self, lengths: list[int], heads: int) -> int:
+        """Queries per CTA for segments of these lengths: the widest tile that still gives every
+        SM a CTA. Warpgroups that share K/V tiles read them from L2 once for all: on the
+        power-capped H200 (700 W) that traffic costs clock, and in the whole forward 4
+        warpgroups a CTA ran 2044x2044 3.3% and 1036x1036 1.7% faster than 1 (alone, in short
+        bursts, they are slower: benchmarks/NOTES.md). 448x448 (1024 keys) has 64 CTAs of 256
+        queries for 132 SMs and loses 4%, so it keeps 64."""
+        for bm in self.flash_bms:
+            if sum(-(-n // bm) for n in lengths) * heads >= self._sms:
+                return bm
+        return self.flash_bms[-1]
+
     def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, tiles: cupy.ndarray,
-                        n_tiles: int, heads: int, head_dim: int) -> None:
+                        n_tiles: int, heads: int, head_dim: int, bm: int) -> None:
+        """tiles: flash_work_list(segments, bm), for one of flash_bms."""
         assert head_dim in FLASH_HEAD_DIMS
         scale_log2 = head_dim ** -0.5 * float(np.log2(np.e))
-        self._flash((n_tiles, heads), (self._flash_threads,),
-                    (qkv_map if self.hopper else qkv, out, tiles, np.int32(heads), np.float32(scale_log2)),
-                    shared_mem=self._flash_smem)
+        f, threads, smem = self._flash[bm]
+        f((n_tiles, heads), (threads,), (qkv_map if self.hopper else qkv, out, tiles, np.int32(heads),
+                                         np.float32(scale_log2)), shared_mem=smem)

@@ -128,14 +128,14 @@ def test_deterministic_across_runs_graphs_and_batch_order(vit, inputs):
 
 def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
     """The attention kernels alone at the real head count and dim, one segment of 1024, 21316
-    and 32000 tokens and a multi-segment batch: flash vs the materialised path, both against a
-    float32 reference on 256 sampled query rows per head."""
+    and 32000 tokens and a multi-segment batch: flash (every query tile it comes in) vs the
+    materialised path, both against a float32 reference on 256 sampled query rows per head."""
     import cupy
 
     from glmvit_cupy.engine import flash_work_list
     from glmvit_cupy.kernels import FLASH_BM
     from glmvit_cupy.scratch import FLASH_MIN_BM
-    assert min(FLASH_BM.values()) == FLASH_MIN_BM  # the scratch's work list fits every kernel's tiles
+    assert min(min(bms) for bms in FLASH_BM.values()) == FLASH_MIN_BM  # the scratch's work list fits every tile
     tower = vit.tower
     geo = tower.geo
     h, hd, heads = geo.hidden_size, geo.head_dim, geo.num_heads
@@ -145,19 +145,21 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
         segments = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths], axis=-1)
         qkv = cupy.asarray(rng.standard_normal((p, 3 * h), dtype=np.float32) * 1.5).astype(cupy.float32)
         qkv_bf16 = _to_bf16(qkv)
-        flash = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)  # NaN: unwritten rows show
-        naive_out = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)
-        # Our own work list and TMA descriptor, not the scratch's: the engine keeps its tables there
-        tiles = cupy.asarray(flash_work_list(segments, tower.k.flash_bm))  # between calls
+        # Our own work lists and TMA descriptor, not the scratch's: the engine keeps its tables there
+        # between calls.
         qkv_map = cupy.asarray(tower.k.qkv_map(qkv_bf16)) if tower.k.hopper else None
-        cupy.cuda.runtime.deviceSynchronize()
-        for engine, out in ((tower, flash), (naive_vit.tower, naive_out)):
+        runs = [(f"flash bm {bm}", tower, bm) for bm in tower.k.flash_bms] + [("naive", naive_vit.tower, 0)]
+        outs = {}
+        for name, engine, bm in runs:
+            out = outs[name] = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)  # NaN: unwritten rows show
+            tiles = cupy.asarray(flash_work_list(segments, bm or 64))
             engine._scratch()
+            cupy.cuda.runtime.deviceSynchronize()
             with engine.stream:
-                engine._attention(qkv_bf16, qkv_map, out, segments, tiles, len(tiles))
+                engine._attention(qkv_bf16, qkv_map, out, segments, tiles, len(tiles), bm)
             engine.stream.synchronize()
         q32 = _from_bf16(qkv_bf16)
-        errs = {"flash": [], "naive": []}
+        errs = {name: [] for name in outs}
         for start, length in segments.tolist():
             rows = rng.choice(length, size=min(256, length), replace=False) + start
             for head in range(heads):
@@ -167,14 +169,27 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
                 sc = (q @ k.T) * hd ** -0.5
                 pr = cupy.exp(sc - sc.max(axis=1, keepdims=True))
                 ref = (pr / pr.sum(axis=1, keepdims=True)) @ v
-                for name, arr in (("flash", flash), ("naive", naive_out)):
+                for name, arr in outs.items():
                     got = _from_bf16(arr[rows, head * hd:(head + 1) * hd])
                     errs[name].append(float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)))
-        assert bool(cupy.isfinite(_from_bf16(flash)).all()), lengths
-        f, n = max(errs["flash"]), max(errs["naive"])
-        print(f"attention {lengths}: flash {f:.2e}, naive {n:.2e}")
-        assert f <= ERROR_FACTOR * n, (lengths, f, n)
+        n = max(errs.pop("naive"))
+        for name, e in errs.items():
+            assert bool(cupy.isfinite(_from_bf16(outs[name])).all()), (lengths, name)
+            print(f"attention {lengths}: {name} {max(e):.2e}, naive {n:.2e}")
+            assert max(e) <= ERROR_FACTOR * n, (lengths, name, max(e), n)
 
+
+def test_flash_tile_is_the_widest_that_gives_every_sm_a_cta(vit):
+    """Kernels.flash_bm: 448x448 keeps 64-query tiles (4 warpgroups would leave half the H200's
+    132 SMs idle); 1036x1036, 2044x2044 and batches of 448x448 take the widest."""
+    k, heads = vit.tower.k, vit.tower.geo.num_heads
+    for lengths in ([1024], [5476], [21316], [1024] * 8, [1850, 1024, 1152], [64], [100000]):
+        bm = k.flash_bm(lengths, heads)
+        ctas = {b: sum(-(-n // b) for n in lengths) * heads for b in k.flash_bms}
+        assert bm in k.flash_bms and (ctas[bm] >= k._sms or bm == min(k.flash_bms)), (lengths, bm)
+        assert all(ctas[b] < k._sms for b in k.flash_bms if b > bm), (lengths, bm)
+    if k.hopper and k._sms == 132:
+        assert [k.flash_bm(n, heads) for n in ([1024], [5476], [21316], [1024] * 8)] == [64, 256, 256, 256]
 
 def test_fused_gate_up_swiglu_equals_cublas_then_swiglu(vit):
     """gemm_swiglu_sm90 (Hopper's fused gate|up GEMM + clamped SwiGLU) against the path it
