@@ -15,10 +15,11 @@
 
 namespace attn {
 
-// One CTA's share of the work: a 128-query tile of one segment (an entry of the host's work
-// list, {segment start row, length, first query row in the segment, unused}) for one head
-// (blockIdx.y), and where that head's Q, K and V columns start in the QKV buffer
-// [P, 3, heads, HD] (row stride `ld`).
+// One CTA's share of the work: a 128-query tile of one segment for one head (entry blockIdx.x
+// of the host's work list, engine.flash_work_list: {segment start row, length, first query row
+// in the segment, head | piece << 8 | pieces << 16}; the wgmma kernel alone gets pieces), and
+// where that head's Q, K and V columns start in the QKV buffer [P, 3, heads, HD] (row stride
+// `ld`).
 template <int HD>
 struct Work {
     int seg_start, seg_len, q0, head, h;
@@ -30,7 +31,7 @@ struct Work {
         seg_start = entry.x;
         seg_len = entry.y;
         q0 = entry.z;
-        head = blockIdx.y;
+        head = entry.w & 0xFF;
         h = heads * HD;
         ld = 3LL * h;
         q = qkv + (long long)(seg_start + q0) * ld + head * HD;

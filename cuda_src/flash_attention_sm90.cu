@@ -118,9 +118,27 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
 }
 
 // WGS warpgroups a CTA, 64 query rows each, sharing every K/V stage.
+// A piece's rows as the combine reads them: per slot [BM][HD] unnormalised O, then [BM] running
+// maxima (raw scores), then [BM] row sums.
+template <int NO>
+__device__ __forceinline__ void store_partial(const float (&o)[NO][4], const float (&l_row)[2], const float (&m_run)[2],
+                                              float* slot, int bm, int row_first, int g, int t) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_first + g + 8 * r;
+        #pragma unroll
+        for (int n = 0; n < NO; ++n)
+            *reinterpret_cast<float2*>(slot + row * HD + n * 8 + 2 * t) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        if (t == 0) {
+            slot[bm * HD + row] = m_run[r];
+            slot[bm * HD + bm + row] = l_row[r];
+        }
+    }
+}
+
 template <int WGS>
 __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const int4* tiles, int heads,
-                                           float scale_log2) {
+                                           float scale_log2, float* partial, int first_piece) {
     constexpr int NS = BN / 8, NO = HD / 8, TILE = BN * HD;
     static_assert(BN == 64, "Q is staged in 64-row tiles");
     extern __shared__ unsigned char smem_raw[];
@@ -132,15 +150,19 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
     bf16* sQ = WGS == 1 ? sK + 2 * TILE : sV + STAGES * TILE;  // one warpgroup: in K stage 2 until tile 2 loads
 
     const int4 entry = tiles[blockIdx.x];
-    const int seg_start = entry.x, seg_len = entry.y, q0 = entry.z, head = blockIdx.y, h = heads * HD;
-    const int n_tiles = (seg_len + BN - 1) / BN;
+    const int seg_start = entry.x, seg_len = entry.y, q0 = entry.z, head = entry.w & 0xFF, h = heads * HD;
+    // A piece (pieces > 0) covers key tiles [kt0, kt0 + n_tiles) of the segment's and leaves
+    // its unnormalised rows to flash_combine; otherwise the CTA takes every key tile.
+    const int pieces = entry.w >> 16, piece = (entry.w >> 8) & 0xFF, seg_tiles = (seg_len + BN - 1) / BN;
+    const int kt0 = pieces ? seg_tiles * piece / pieces : 0;
+    const int n_tiles = (pieces ? seg_tiles * (piece + 1) / pieces : seg_tiles) - kt0;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int t = lane & 3;
     const bool leader = threadIdx.x == 0, wg_leader = (threadIdx.x & 127) == 0;
     auto load_kv = [&](int j, int stage) {  // key tile j into stage j % STAGES (one thread)
         expect_bytes(&full[stage], 2 * TILE * 2);
-        tma_load(sK + stage * TILE, qkv_map, h + head * HD, seg_start + j * BN, &full[stage]);
-        tma_load(sV + stage * TILE, qkv_map, 2 * h + head * HD, seg_start + j * BN, &full[stage]);
+        tma_load(sK + stage * TILE, qkv_map, h + head * HD, seg_start + (kt0 + j) * BN, &full[stage]);
+        tma_load(sV + stage * TILE, qkv_map, 2 * h + head * HD, seg_start + (kt0 + j) * BN, &full[stage]);
     };
 
     if (threadIdx.x < 128) ones[threadIdx.x] = __float2bfloat16(1.f);
@@ -179,7 +201,7 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
     issue_qk(s, q, k_desc);
     wgmma_wait<0>();
     fence_regs(s);
-    mask_tail(s, 0, seg_len, t);
+    mask_tail(s, kt0 * BN, seg_len, t);
     exponentiate(s, m_run, corr, scale_log2);
 
     // The loop is rotated so that each iteration ENDS with the softmax of S_j while P_{j-1} V_{j-1}
@@ -218,7 +240,7 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
         issue_pv(o, a, v_desc + prev * STAGE_STEP, ones_desc);
         wgmma_wait<1>();  // S_j is done; P_{j-1} V_{j-1} may still run
         fence_regs(s);
-        mask_tail(s, j * BN, seg_len, t);
+        mask_tail(s, (kt0 + j) * BN, seg_len, t);
         exponentiate(s, m_run, corr, scale_log2);
         prev = cur;
         cur = cur == STAGES - 1 ? 0 : cur + 1;
@@ -232,8 +254,13 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
     wgmma_wait<0>();
     fence_regs(o);
     const float l_row[2] = {o[NO][0], o[NO][2]};
-    store_rows(reinterpret_cast<const float (&)[NO][4]>(o), l_row, out, seg_start, seg_len, q0 + wg * 64 + warp * 16,
-               h, head, lane >> 2, t);
+    if (pieces == 0)
+        store_rows(reinterpret_cast<const float (&)[NO][4]>(o), l_row, out, seg_start, seg_len, q0 + wg * 64 + warp * 16,
+                   h, head, lane >> 2, t);
+    else
+        store_partial(reinterpret_cast<const float (&)[NO][4]>(o), l_row, m_run,
+                      partial + (long long)(blockIdx.x - first_piece) * (64 * WGS) * (HD + 2), 64 * WGS,
+                      wg * 64 + warp * 16, lane >> 2, t);
 }
 
 }  // namespace
@@ -241,21 +268,50 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
 // Dynamic shared memory: 1 KiB of alignment slack + 3 K + 3 V tiles (48 KiB), and with more than
 // one warpgroup their Q tiles (8 KiB each). `qkv_map` is the TMA descriptor of the QKV buffer
 // (qkv_map in kernels.py): [P rows, 3 x heads x HD columns], boxes of 64 rows x 64 columns in
-// the 128B swizzle, rows at or past P read as zeros. Grid (work-list entries, heads).
-extern "C" __global__ void __launch_bounds__(128, 4)
-flash_attention_sm90_hd64(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
-                          int heads, float scale_log2) {
-    flash_tile<1>(qkv_map, out, tiles, heads, scale_log2);
-}
+// the 128B swizzle, rows at or past P read as zeros. Grid: one CTA per work-list entry; entries
+// from first_piece on are pieces, whose rows go to `partial` (slot blockIdx.x - first_piece).
+#define FLASH_SM90(NAME, WGS)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(128 * WGS, 4 / WGS)                                             \
+    NAME(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles, int heads,     \
+         float scale_log2, float* __restrict__ partial, int first_piece) {                                       \
+        flash_tile<WGS>(qkv_map, out, tiles, heads, scale_log2, partial, first_piece);                           \
+    }
+FLASH_SM90(flash_attention_sm90_hd64, 1)
+FLASH_SM90(flash_attention_sm90_hd64_wg2, 2)
+FLASH_SM90(flash_attention_sm90_hd64_wg4, 4)
 
-extern "C" __global__ void __launch_bounds__(256, 2)
-flash_attention_sm90_hd64_wg2(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
-                              int heads, float scale_log2) {
-    flash_tile<2>(qkv_map, out, tiles, heads, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(512, 1)
-flash_attention_sm90_hd64_wg4(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles,
-                              int heads, float scale_log2) {
-    flash_tile<4>(qkv_map, out, tiles, heads, scale_log2);
+// The pieces of one query tile and head (entries first_piece + g * pieces + i, i < pieces), merged
+// as the single pass would have: rows rescaled to the largest of the pieces' maxima, O and the
+// row sums added in piece order (deterministic), divided, rounded to BF16 once. Why pieces at
+// all: with 4 warpgroups a CTA, one CTA fits an SM, and 2044x2044's 1344 CTAs are 10.2 rounds on
+// 132 SMs: the last 24 took a whole round (0.37 ms of 4.04 a block). engine.flash_work_list
+// cuts such a tail into pieces that fill one round. Grid: one block (256 threads) per group.
+extern "C" __global__ void __launch_bounds__(256)
+flash_combine(const float* __restrict__ partial, const int4* __restrict__ tiles, bf16* __restrict__ out,
+              int first_piece, int pieces, int bm, int heads, float scale_log2) {
+    const int4 entry = tiles[first_piece + blockIdx.x * pieces];
+    const int seg_start = entry.x, seg_len = entry.y, q0 = entry.z, head = entry.w & 0xFF;
+    const long long slot_size = (long long)bm * (HD + 2);
+    const float* group = partial + blockIdx.x * pieces * slot_size;
+    for (int idx = threadIdx.x; idx < bm * HD / 8; idx += blockDim.x) {  // 8 columns of one row a thread
+        const int row = idx / (HD / 8), c0 = (idx % (HD / 8)) * 8;
+        if (q0 + row >= seg_len) continue;
+        float mx = neg_inf();
+        for (int i = 0; i < pieces; ++i) mx = fmaxf(mx, group[i * slot_size + bm * HD + row]);
+        float acc[8] = {}, den = 0.f;
+        for (int i = 0; i < pieces; ++i) {
+            const float* slot = group + i * slot_size;
+            const float w = exp2f((slot[bm * HD + row] - mx) * scale_log2);
+            den += w * slot[bm * HD + bm + row];
+            const float4 a = *reinterpret_cast<const float4*>(slot + row * HD + c0);
+            const float4 b = *reinterpret_cast<const float4*>(slot + row * HD + c0 + 4);
+            acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+            acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+        }
+        const float inv = 1.f / den;
+        const uint2 lo = pack4_bf16(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+        const uint2 hi = pack4_bf16(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+        *reinterpret_cast<uint4*>(out + (long long)(seg_start + q0 + row) * heads * HD + head * HD + c0) =
+            make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
 }

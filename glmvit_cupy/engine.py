@@ -32,18 +32,12 @@ from .checkpoint import GlmVitTensors, TowerWeights, structure
 from .cublas import Cublas
 from .errors import GlmVitError
 from .kernels import FLASH_HEAD_DIMS, GATE_UP_TILE, QKNORM_HEAD_DIMS, Kernels
-from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
+from .layout import FlashWork, block_major_positions, flash_work_list, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS, bf16_to_f32
 from .scratch import GlmVitScratch, scratch_plan
 
 ATTENTION = ("auto", "flash", "naive")
 MAX_GRAPHS = 16  # captured shapes kept (each is a few hundred nodes and no memory of its own)
-
-
-def flash_work_list(segments: np.ndarray, bm: int) -> np.ndarray:
-    """One int4 {segment start, length, first query, 0} per bm-query tile of each segment."""
-    rows = [(start, length, q0, 0) for start, length in segments.tolist() for q0 in range(0, length, bm)]
-    return np.array(rows, dtype=np.int32)
 
 
 def bias_sums(weights: TowerWeights) -> np.ndarray:
@@ -132,7 +126,7 @@ class CupyTower:
         # Per grid_thw: the host tables (segments, flash query tile and work list, RoPE positions), and which
         # grid's tables the scratch holds now. Building and uploading them took 0.07 ms at 448
         # and 1.1 ms at 32x448 (numpy), time the GPU sat idle in front of a replayed graph.
-        self.tables: OrderedDict[bytes, tuple[np.ndarray, int, np.ndarray, np.ndarray]] = OrderedDict()
+        self.tables: OrderedDict[bytes, tuple[np.ndarray, FlashWork, np.ndarray]] = OrderedDict()
         self.uploaded: bytes | None = None
         self.stream.synchronize()
 
@@ -166,12 +160,12 @@ class CupyTower:
         if key not in self.tables:
             segments = frame_segments(grid_thw)
             bm = self.k.flash_bm(segments[:, 1].tolist(), geo.num_heads)
-            self.tables[key] = (segments, bm, flash_work_list(segments, bm),
+            self.tables[key] = (segments, flash_work_list(segments, bm, geo.num_heads, self.k.flash_slots(bm)),
                                 block_major_positions(grid_thw, geo.spatial_merge_size))
             if len(self.tables) > MAX_GRAPHS:
                 self.tables.popitem(last=False)
         self.tables.move_to_end(key)
-        segments, bm, tiles, positions = self.tables[key]
+        segments, work, positions = self.tables[key]
         m = p // geo.merge_unit
         caller = cupy.cuda.get_current_stream()
         with self.stream:
@@ -181,30 +175,30 @@ class CupyTower:
             self.k.f32_to_bf16(pixels, s.pixels[:p])
             if self.uploaded != key:
                 s.positions[:p].set(positions, stream=self.stream)
-                s.tiles[:len(tiles)].set(tiles, stream=self.stream)
+                s.tiles[:len(work.tiles)].set(work.tiles, stream=self.stream)
                 if self.k.hopper:
                     s.qkv_map.set(self.k.qkv_map(s.qkv[:p]), stream=self.stream)
                 self.uploaded = key
             if marks is not None:  # stage timing: always eager
-                self._body(p, segments, len(tiles), bm, marks)
+                self._body(p, segments, work, marks)
             elif key in self.graphs:
                 self.graphs.move_to_end(key)
                 self.graphs[key].launch(self.stream)
             elif key in self.seen:
                 self.stream.begin_capture()
-                self._body(p, segments, len(tiles), bm, None)
+                self._body(p, segments, work, None)
                 graph = self.graphs[key] = self.stream.end_capture()
                 if len(self.graphs) > MAX_GRAPHS:
                     self.graphs.popitem(last=False)
                 graph.launch(self.stream)
             else:
                 self.seen.add(key)
-                self._body(p, segments, len(tiles), bm, None)
+                self._body(p, segments, work, None)
             last_hidden, pooler = s.last_hidden[:m].copy(), s.pooler[:m].copy()
         self.stream.synchronize()
         return last_hidden, pooler
 
-    def _body(self, p: int, segments: np.ndarray, n_tiles: int, bm: int, marks) -> None:
+    def _body(self, p: int, segments: np.ndarray, work: FlashWork, marks) -> None:
         """Steps 1-8 of SPEC.md's forward pass: no allocation, no host sync (graph-capturable)."""
         geo, s, k, blas, w = self.geo, self.scratch, self.k, self.blas, self.w
         mark = marks or (lambda stage: None)
@@ -219,7 +213,7 @@ class CupyTower:
             k.rmsnorm_bias(resid, self.shifts[2 * i], blk.norm1_w, normed, eps)
             blas.linear(qkv, normed, blk.qkv_w)
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
-            self._attention(qkv, s.qkv_map, normed, segments, s.tiles, n_tiles, bm)  # attention output -> normed
+            self._attention(qkv, s.qkv_map, normed, segments, s.tiles, work)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
             mark("attention")
             k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
@@ -230,10 +224,13 @@ class CupyTower:
         mark("merger")
 
     def _attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, segments: np.ndarray,
-                   tiles: cupy.ndarray, n_tiles: int, bm: int) -> None:
+                   tiles: cupy.ndarray, work: FlashWork) -> None:
+        """tiles: work.tiles on the device. Pieces pass through the cuBLAS workspace (no GEMM
+        runs during the attention)."""
         geo, s = self.geo, self.scratch
         if self.attention_kind == "flash":
-            self.k.flash_attention(qkv, qkv_map, out, tiles, n_tiles, geo.num_heads, geo.head_dim, bm)
+            self.k.flash_attention(qkv, qkv_map, out, tiles, len(work.tiles), geo.num_heads, geo.head_dim, work.bm,
+                                   s.workspace.view(cupy.float32), work.first_piece, work.pieces)
             return
         h, hd = geo.hidden_size, geo.head_dim
         for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time

@@ -23,8 +23,9 @@ from pathlib import Path
 import cupy
 import numpy as np
 
+from .layout import FLASH_BN
+
 FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
-FLASH_BN = 64  # keys per K/V tile (both kernels)
 # Queries per CTA each flash kernel comes in: mma.sync one; wgmma 64 per warpgroup, 1, 2 or 4 a CTA
 # sharing every K/V tile (kernel names: _hd64, _hd64_wg2, _hd64_wg4)
 FLASH_BM = {"flash_attention": (128,), "flash_attention_sm90": (256, 128, 64)}
@@ -118,7 +119,7 @@ class Kernels:
         names = {"convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
                  "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
                  "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
-                 flash: tuple(_flash_name(flash, bm) for bm in FLASH_BM[flash])}
+                 flash: tuple(_flash_name(flash, bm) for bm in FLASH_BM[flash]) + (("flash_combine",) if self.hopper else ())}
         if self.hopper:
             names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
@@ -225,11 +226,27 @@ class Kernels:
                 return bm
         return self.flash_bms[-1]
 
+    def flash_slots(self, bm: int) -> int:
+        """CTAs of a bm-query tile that run at once (a round), for the work list to cut its last
+        round into pieces; 0 where the kernel takes no pieces (mma.sync)."""
+        return self._sms * 256 // bm if self.hopper else 0
+
     def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, tiles: cupy.ndarray,
-                        n_tiles: int, heads: int, head_dim: int, bm: int) -> None:
-        """tiles: flash_work_list(segments, bm), for one of flash_bms."""
+                        n_tiles: int, heads: int, head_dim: int, bm: int, partial: cupy.ndarray | None = None,
+                        first_piece: int = 0, pieces: int = 0) -> None:
+        """tiles: the n_tiles entries of flash_work_list(segments, bm, ...), for one of
+        flash_bms; entries from first_piece on are pieces (Hopper), `pieces` a query tile, whose
+        rows pass through `partial` (float32, bm x (head_dim + 2) a piece) to flash_combine."""
         assert head_dim in FLASH_HEAD_DIMS
-        scale_log2 = head_dim ** -0.5 * float(np.log2(np.e))
+        scale_log2 = np.float32(head_dim ** -0.5 * float(np.log2(np.e)))
         f, threads, smem = self._flash[bm]
-        f((n_tiles, heads), (threads,), (qkv_map if self.hopper else qkv, out, tiles, np.int32(heads),
-                                         np.float32(scale_log2)), shared_mem=smem)
+        if not self.hopper:
+            f((n_tiles,), (threads,), (qkv, out, tiles, np.int32(heads), scale_log2), shared_mem=smem)
+            return
+        f((n_tiles,), (threads,), (qkv_map, out, tiles, np.int32(heads), scale_log2,
+                                   partial if pieces else np.uint64(0), np.int32(first_piece)), shared_mem=smem)
+        if pieces:
+            assert partial.size >= (n_tiles - first_piece) * bm * (head_dim + 2)
+            self._f["flash_combine"](((n_tiles - first_piece) // pieces,), (256,),
+                                     (partial, tiles, out, np.int32(first_piece), np.int32(pieces), np.int32(bm),
+                                      np.int32(heads), scale_log2))

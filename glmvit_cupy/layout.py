@@ -1,4 +1,5 @@
-"""Token bookkeeping shared by both backends: positions, attention segments, RoPE frequencies.
+"""Token bookkeeping shared by both backends: positions, attention segments, RoPE frequencies;
+and, for the GPU engine, the flash kernel's work list.
 
 These depend only on `grid_thw` and the geometry, never on weights, so they are computed on
 the host in NumPy for both engines (the GPU engine uploads the results). Keeping one copy is
@@ -11,6 +12,8 @@ frames. The preprocessor emits pixel rows in the same order, and the downsample 
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,3 +69,40 @@ def rope_inv_freq(geo: GlmVitGeometry) -> np.ndarray:
     spatial = geo.head_dim // 2
     exponent = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
     return (np.float32(1.0) / np.float32(geo.rope_theta) ** exponent).astype(np.float32)
+
+
+# ---- the GPU engine's flash-attention work list (host side, uploaded once per grid) ----
+
+FLASH_BN = 64  # keys per K/V tile of both flash kernels
+MIN_PIECE_TILES = 4  # key tiles a piece has at least (a shorter one would be mostly set-up)
+
+
+class FlashWork(NamedTuple):
+    """What the flash kernel of one grid runs: see flash_work_list."""
+
+    bm: int  # queries per CTA
+    tiles: np.ndarray  # int32 [n, 4], one entry per CTA
+    first_piece: int  # entries from here on are pieces (== n: none)
+    pieces: int  # pieces a query tile (0: none)
+
+
+def flash_work_list(segments: np.ndarray, bm: int, heads: int, slots: int = 0) -> FlashWork:
+    """One int4 {segment start, length, first query, head | piece << 8 | pieces << 16} per bm-query
+    tile and head, head by head (the CTAs in flight then share one head's K/V in L2).
+
+    With one segment and `slots` CTAs a round (Kernels.flash_slots), the entries past the last
+    whole round are cut into pieces, each over a range of the keys, that fill one round
+    together; flash_combine merges them. With one CTA an SM, 2044x2044's last 24 CTAs of 1344
+    took as long as a whole round. Only for one segment: with several, which images' tiles
+    form the tail would depend on their order, and so would the last bits of their results."""
+    entries = [(start, length, q0, head) for head in range(heads) for start, length in segments.tolist()
+               for q0 in range(0, length, bm)]
+    full, rem = divmod(len(entries), slots) if slots else (0, 0)
+    pieces = 0
+    if len(segments) == 1 and full and rem:
+        pieces = min(slots // rem, 16, -(-int(segments[0, 1]) // FLASH_BN) // MIN_PIECE_TILES)
+    if pieces < 2:
+        return FlashWork(bm, np.array(entries, dtype=np.int32), len(entries), 0)
+    first = len(entries) - rem
+    cut = [(s, n, q0, head | i << 8 | pieces << 16) for s, n, q0, head in entries[first:] for i in range(pieces)]
+    return FlashWork(bm, np.array(entries[:first] + cut, dtype=np.int32), first, pieces)

@@ -22,7 +22,9 @@ half of transformers' at 2044x2044 (see BENCHMARKS.md):
             TMA descriptors: of the QKV rows (flash
             attention), of normed and merge_y (the
             fused gate|up GEMM's inputs, Hopper)
-  workspace cuBLAS's workspace (given to the handle)  the same
+  workspace cuBLAS's workspace (given to the handle);  the same
+            between the QKV and proj GEMMs, the
+            flash kernel's pieces (engine._attention)
 
 Seed names -> here: buf_f32 -> resid, buf_h1/buf_h2 -> normed, buf_gate/buf_up -> mlp (a
 qkv view), buf_qr/buf_kr/buf_vt -> qkv, buf_o_stage -> normed, buf_rope_cos/sin ->
@@ -80,8 +82,9 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
                      mlp_rows * 2 * geo.intermediate_size * 2))
     # The merger's gate|up chunk takes what last_hidden_state (f32, an output) leaves of the slab.
     merger_rows = max(1, min(m, (qkv - _round(4 * m * o)) // (2 * geo.projection_intermediate_size * 2)))
-    # Flash work-list entries at the smallest query tile; each segment adds one partial tile.
-    max_tiles = p // FLASH_MIN_BM + p // geo.merge_unit
+    # Flash work-list entries (one per query tile and head) at the smallest query tile: each
+    # segment adds one partial tile; one segment's last round, cut into pieces, at most doubles them.
+    max_tiles = max(p // FLASH_MIN_BM + p // geo.merge_unit, 2 * -(-p // FLASH_MIN_BM)) * geo.num_heads
     slabs = {
         "resid": _round(max(4 * p * h, 4 * m * o, 2 * m * geo.merge_unit * h)),
         "normed": _round(max(2 * p * h, 2 * m * o)),

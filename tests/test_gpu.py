@@ -128,12 +128,13 @@ def test_deterministic_across_runs_graphs_and_batch_order(vit, inputs):
 
 def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
     """The attention kernels alone at the real head count and dim, one segment of 1024, 21316
-    and 32000 tokens and a multi-segment batch: flash (every query tile it comes in) vs the
-    materialised path, both against a float32 reference on 256 sampled query rows per head."""
+    and 32000 tokens and a multi-segment batch: flash (every query tile it comes in; at 21316
+    and 32000 with its last round in pieces) vs the materialised path, both against a float32
+    reference on 256 sampled query rows per head."""
     import cupy
 
-    from glmvit_cupy.engine import flash_work_list
     from glmvit_cupy.kernels import FLASH_BM
+    from glmvit_cupy.layout import flash_work_list
     from glmvit_cupy.scratch import FLASH_MIN_BM
     assert min(min(bms) for bms in FLASH_BM.values()) == FLASH_MIN_BM  # the scratch's work list fits every tile
     tower = vit.tower
@@ -148,15 +149,19 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
         # Our own work lists and TMA descriptor, not the scratch's: the engine keeps its tables there
         # between calls.
         qkv_map = cupy.asarray(tower.k.qkv_map(qkv_bf16)) if tower.k.hopper else None
-        runs = [(f"flash bm {bm}", tower, bm) for bm in tower.k.flash_bms] + [("naive", naive_vit.tower, 0)]
+        works = {f"flash bm {bm}": (tower, flash_work_list(segments, bm, heads, tower.k.flash_slots(bm)))
+                 for bm in tower.k.flash_bms}
+        works["naive"] = (naive_vit.tower, flash_work_list(segments, 64, heads))
+        if len(lengths) == 1 and lengths[0] > 20000 and tower.k.hopper:
+            assert all(w.pieces >= 2 for name, (_, w) in works.items() if name != "naive"), lengths
         outs = {}
-        for name, engine, bm in runs:
+        for name, (engine, work) in works.items():
             out = outs[name] = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)  # NaN: unwritten rows show
-            tiles = cupy.asarray(flash_work_list(segments, bm or 64))
+            tiles = cupy.asarray(work.tiles)
             engine._scratch()
             cupy.cuda.runtime.deviceSynchronize()
             with engine.stream:
-                engine._attention(qkv_bf16, qkv_map, out, segments, tiles, len(tiles), bm)
+                engine._attention(qkv_bf16, qkv_map, out, segments, tiles, work)
             engine.stream.synchronize()
         q32 = _from_bf16(qkv_bf16)
         errs = {name: [] for name in outs}

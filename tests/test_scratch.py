@@ -3,9 +3,11 @@ buffer a phase puts on a shared slab fits there without touching a buffer still 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from glmvit_cupy.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.layout import FLASH_BN, flash_work_list
 from glmvit_cupy.scratch import CUBLAS_WORKSPACE, _round, scratch_plan
 
 MIB = 2 ** 20
@@ -17,7 +19,7 @@ def test_default_budget_census():
     assert plan.p_max == 32000
     assert set(plan.slabs) == {"resid", "normed", "qkv", "rope", "index", "workspace"}  # no MLP slab
     assert plan.slabs["workspace"] == CUBLAS_WORKSPACE
-    assert round(plan.total_bytes / MIB, 1) == 415.2
+    assert round(plan.total_bytes / MIB, 1) == 417.1
     assert plan.total_bytes < TRANSFORMERS_2044_MIB * MIB / 2
     assert plan.naive_bytes == 32000 * 32000 * 6  # the [P, P] scores + probs, naive path only
 
@@ -46,3 +48,46 @@ def test_every_phase_fits_its_slab(patches, geometry):
     assert _round(4 * m * o) + plan.merger_rows * 2 * geo.projection_intermediate_size * 2 <= slab["qkv"]
     # index: positions, the flash work list, three TMA descriptors (qkv, normed, merge_y)
     assert slab["index"] >= 4 * 2 * p + 16 * plan.max_tiles + 3 * 128
+
+
+H200_SLOTS = {256: 132, 128: 264, 64: 528}  # flash CTAs a round (Kernels.flash_slots) on 132 SMs
+
+
+def key_range(seg_len: int, w: int) -> range:
+    """The key tiles an entry covers, as flash_attention_sm90.cu computes them."""
+    pieces, piece, tiles = w >> 16, (w >> 8) & 0xFF, -(-seg_len // FLASH_BN)
+    return range(tiles * piece // pieces, tiles * (piece + 1) // pieces) if pieces else range(tiles)
+
+
+@pytest.mark.parametrize("bm", [256, 128, 64])
+def test_flash_work_list_cuts_one_segments_last_round_into_pieces(bm):
+    heads = 16
+    work = flash_work_list(np.array([[0, 21316]]), bm, heads, H200_SLOTS[bm])
+    n_q = -(-21316 // bm)
+    full, rem = divmod(n_q * heads, H200_SLOTS[bm])
+    assert work.bm == bm and work.first_piece == full * H200_SLOTS[bm] and work.pieces >= 2
+    assert rem * work.pieces <= H200_SLOTS[bm]  # the pieces fill one round
+    covered = {}  # (q0, head) -> key tiles, over whole entries and pieces
+    for start, length, q0, w in work.tiles.tolist():
+        assert (start, length) == (0, 21316)
+        covered.setdefault((q0, w & 0xFF), []).extend(key_range(length, w))
+    assert sorted(covered) == sorted((q0, h) for h in range(heads) for q0 in range(0, 21316, bm))
+    assert all(tiles == list(range(-(-21316 // FLASH_BN))) for tiles in covered.values())
+    # Whole entries go head by head; the pieces are the tail's.
+    heads_in_order = [w & 0xFF for w in work.tiles[:work.first_piece, 3].tolist()]
+    assert heads_in_order == sorted(heads_in_order) and not (work.tiles[:work.first_piece, 3] >> 8).any()
+
+
+def test_flash_work_list_leaves_batches_and_single_rounds_whole():
+    segments = np.array([[0, 21316], [21316, 5476]])  # two images: their order must not change bits
+    assert flash_work_list(segments, 256, 16, 132).pieces == 0
+    assert flash_work_list(np.array([[0, 1024]]), 64, 16, 528).pieces == 0  # no whole round before the tail
+    assert flash_work_list(np.array([[0, 21316]]), 256, 16, 0).pieces == 0  # a kernel without pieces
+
+
+@pytest.mark.parametrize("lengths", [[32000], [4] * 8000, [1024] * 31 + [256]])
+def test_flash_work_list_fits_the_index_slab(lengths):
+    plan = scratch_plan(GlmVitGeometry(**REAL))
+    segments = np.stack([np.cumsum([0] + lengths[:-1]), lengths], axis=-1)
+    for bm, slots in H200_SLOTS.items():
+        assert len(flash_work_list(segments, bm, 16, slots).tiles) <= plan.max_tiles
