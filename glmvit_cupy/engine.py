@@ -122,10 +122,10 @@ class CupyTower:
                                  if self.fused_mlp else None)  # [depth + 1, 128] bytes, the merger's last
         self.scratch: GlmVitScratch | None = None
         self.graphs: OrderedDict[bytes, cupy.cuda.graph.Graph] = OrderedDict()
-        self.seen: set[bytes] = set()
-        # Per grid_thw: the host tables (segments, flash query tile and work list, RoPE positions), and which
-        # grid's tables the scratch holds now. Building and uploading them took 0.07 ms at 448
-        # and 1.1 ms at 32x448 (numpy), time the GPU sat idle in front of a replayed graph.
+        # Per grid_thw: the host tables (segments, flash query tile and work list, RoPE positions),
+        # and which grid's tables the scratch holds now. Building and uploading them took 0.07 ms
+        # at 448 and 1.1 ms at 32x448 (numpy), time the GPU sat idle in front of a replayed graph.
+        # A grid with tables has been seen: its next call without a graph captures one.
         self.tables: OrderedDict[bytes, tuple[np.ndarray, FlashWork, np.ndarray]] = OrderedDict()
         self.uploaded: bytes | None = None
         self.stream.synchronize()
@@ -157,7 +157,8 @@ class CupyTower:
                 f"raise it to at least {need} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
         s = self._scratch()
         key = grid_thw.tobytes()
-        if key not in self.tables:
+        seen = key in self.tables
+        if not seen:
             segments = frame_segments(grid_thw)
             bm = self.k.flash_bm(segments[:, 1].tolist(), geo.num_heads)
             self.tables[key] = (segments, flash_work_list(segments, bm, geo.num_heads, self.k.flash_slots(bm)),
@@ -184,7 +185,7 @@ class CupyTower:
             elif key in self.graphs:
                 self.graphs.move_to_end(key)
                 self.graphs[key].launch(self.stream)
-            elif key in self.seen:
+            elif seen:
                 self.stream.begin_capture()
                 self._body(p, segments, work, None)
                 graph = self.graphs[key] = self.stream.end_capture()
@@ -192,7 +193,6 @@ class CupyTower:
                     self.graphs.popitem(last=False)
                 graph.launch(self.stream)
             else:
-                self.seen.add(key)
                 self._body(p, segments, work, None)
             last_hidden, pooler = s.last_hidden[:m].copy(), s.pooler[:m].copy()
         self.stream.synchronize()

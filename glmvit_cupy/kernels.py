@@ -47,28 +47,29 @@ def cuda_source_dir() -> Path:
 def load_source(path: Path, pasted: set[str] | None = None) -> str:
     """The file's text with our headers pasted in (each once), under #line directives."""
     pasted = set() if pasted is None else pasted
+    text = path.read_text()
 
     def paste(match: re.Match) -> str:
         name = match.group(1)
         if name in pasted:
             return ""
         pasted.add(name)
-        return f"{load_source(path.parent / name, pasted)}\n#line {path.read_text().count(chr(10), 0, match.end()) + 1} \"{path}\""
+        return f"{load_source(path.parent / name, pasted)}\n#line {text.count(chr(10), 0, match.end()) + 1} \"{path}\""
 
-    return f'#line 1 "{path}"\n' + _INCLUDE.sub(paste, path.read_text())
+    return f'#line 1 "{path}"\n' + _INCLUDE.sub(paste, text)
 
 
-def required_arch(path: Path) -> str | None:
-    """The target a file demands (`// requires: sm_90a`), or None for the device's own."""
-    found = _REQUIRES.search(path.read_text())
+def required_arch(source: str) -> str | None:
+    """The target a source demands (`// requires: sm_90a`), or None for the device's own."""
+    found = _REQUIRES.search(source)
     return found.group(1) if found else None
 
 
 def _module(name: str) -> cupy.RawModule:
-    path = cuda_source_dir() / f"{name}.cu"
-    arch = required_arch(path)
+    source = load_source(cuda_source_dir() / f"{name}.cu")
+    arch = required_arch(source)
     options = ("--std=c++17",) + ((f"-arch={arch}",) if arch else ())
-    return cupy.RawModule(code=load_source(path), options=options)
+    return cupy.RawModule(code=source, options=options)
 
 
 class TensorMaps:
