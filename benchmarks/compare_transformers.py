@@ -146,15 +146,16 @@ def markdown(records: list[dict], env: dict) -> str:
     lines = [f"{env['date']}, {env['gpu']}, driver {env['driver']}, CUDA runtime {env['cuda_runtime']}, "
              f"cupy {env['cupy']}, torch {env['torch']}, transformers {env['transformers']}; cuBLAS bf16 "
              f"8192^3 peak {env['cublas_peak_tflops']} TFLOP/s", "",
-             "| case | patches | ours ms | transformers ms | speedup | torch.compile ms | ours TFLOP/s | % of cuBLAS peak "
-             "| scratch MiB ours (default / sized) / transformers | max rel err ours / transformers "
+             "| case | patches | ours ms | transformers ms | speedup | torch.compile ms | ours TFLOP/s "
+             "| % of cuBLAS peak | scratch MiB ours (default / sized) / transformers | max rel err ours / transformers "
              "| first call ms ours / transformers / torch.compile |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         compiled = "-" if r["compile_ms"] is None else f"{r['compile_ms']:.1f}"
         first_compile = "-" if r["compile_first_call_ms"] is None else f"{r['compile_first_call_ms']:.0f}"
         lines.append(f"| {r['case']} | {r['patches']} | {r['ours_ms']:.2f} | {r['transformers_ms']:.1f} | "
-                     f"{r['speedup']:.1f}x | {compiled} | {r['ours_tflops']:.0f} | {r['ours_pct_of_cublas_peak']:.0f}% | "
+                     f"{r['speedup']:.1f}x | {compiled} | {r['ours_tflops']:.0f} | "
+                     f"{r['ours_pct_of_cublas_peak']:.0f}% | "
                      f"{r['scratch_mib_ours']:.0f} / {r['scratch_mib_ours_sized']:.0f} / "
                      f"{r['scratch_mib_transformers']:.0f} | "
                      f"{r['max_rel_err_ours']:.2e} / {r['max_rel_err_transformers']:.2e} | "

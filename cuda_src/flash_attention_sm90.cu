@@ -117,28 +117,88 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
     }
 }
 
-// WGS warpgroups a CTA, 64 query rows each, sharing every K/V stage.
-// A piece's rows as the combine reads them: per slot [BM][HD] unnormalised O, then [BM] running
-// maxima (raw scores), then [BM] row sums.
+// A piece's rows in `partial`, as store_partial leaves them and merge_pieces reads them: slot i
+// holds [bm][HD] unnormalised O, then [bm] running maxima (raw scores), then [bm] row sums.
+template <typename F>  // float; const float for reading
+struct PartialSlot {
+    F* base;
+    int bm;
+    __device__ PartialSlot(F* partial, long long i, int bm) : base(partial + i * bm * (HD + 2)), bm(bm) {}
+    __device__ F* o(int row) const { return base + row * HD; }
+    __device__ F& m(int row) const { return base[bm * HD + row]; }
+    __device__ F& l(int row) const { return base[bm * HD + bm + row]; }
+};
+
 template <int NO>
 __device__ __forceinline__ void store_partial(const float (&o)[NO][4], const float (&l_row)[2], const float (&m_run)[2],
-                                              float* slot, int bm, int row_first, int g, int t) {
+                                              PartialSlot<float> slot, int row_first, int g, int t) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row_first + g + 8 * r;
         #pragma unroll
         for (int n = 0; n < NO; ++n)
-            *reinterpret_cast<float2*>(slot + row * HD + n * 8 + 2 * t) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+            *reinterpret_cast<float2*>(slot.o(row) + n * 8 + 2 * t) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
         if (t == 0) {
-            slot[bm * HD + row] = m_run[r];
-            slot[bm * HD + bm + row] = l_row[r];
+            slot.m(row) = m_run[r];
+            slot.l(row) = l_row[r];
         }
     }
 }
 
+// Whether this CTA is the last of its query tile's pieces to finish; every piece's rows are then
+// in `partial`. The CUDA guide's threadfence pattern: each thread fences its stores, one thread
+// counts, and the last resets the counter for the next launch (a layer later, or a graph replay).
+__device__ __forceinline__ bool last_piece(unsigned* counter, int pieces) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == pieces - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// The rows of a query tile's pieces merged as one pass would have: rescaled to the largest of
+// the maxima, O and the row sums added in piece order, so the bits do not depend on which piece
+// finished last. This CTA's own piece comes from its registers, the others' through L2 (__ldcg:
+// this SM's L1 never saw their stores).
+template <int NO>
+__device__ __forceinline__ void merge_pieces(const float (&o)[NO][4], const float (&l_row)[2], const float (&m_run)[2],
+                                             const float* partial, long long first_slot, int piece, int pieces, int bm,
+                                             int row_first, int g, int t, float scale_log2, float (&acc)[NO][4],
+                                             float (&den)[2]) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_first + g + 8 * r;
+        float mx = m_run[r];
+        for (int i = 0; i < pieces; ++i)
+            if (i != piece) mx = fmaxf(mx, __ldcg(&PartialSlot<const float>(partial, first_slot + i, bm).m(row)));
+        den[r] = 0.f;
+        #pragma unroll
+        for (int n = 0; n < NO; ++n) acc[n][2 * r] = acc[n][2 * r + 1] = 0.f;
+        for (int i = 0; i < pieces; ++i) {
+            const PartialSlot<const float> slot(partial, first_slot + i, bm);
+            const bool own = i == piece;
+            const float w = exp2f(((own ? m_run[r] : __ldcg(&slot.m(row))) - mx) * scale_log2);
+            den[r] += w * (own ? l_row[r] : __ldcg(&slot.l(row)));
+            #pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                const float2 v = own ? make_float2(o[n][2 * r], o[n][2 * r + 1])
+                                     : __ldcg(reinterpret_cast<const float2*>(slot.o(row) + n * 8 + 2 * t));
+                acc[n][2 * r] += w * v.x;
+                acc[n][2 * r + 1] += w * v.y;
+            }
+        }
+    }
+}
+
+// WGS warpgroups a CTA, 64 query rows each, sharing every K/V stage.
 template <int WGS>
 __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const int4* tiles, int heads,
-                                           float scale_log2, float* partial, int first_piece) {
+                                           float scale_log2, float* partial, unsigned* counters, int first_piece) {
     constexpr int NS = BN / 8, NO = HD / 8, TILE = BN * HD;
     static_assert(BN == 64, "Q is staged in 64-row tiles");
     extern __shared__ unsigned char smem_raw[];
@@ -152,7 +212,7 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
     const int4 entry = tiles[blockIdx.x];
     const int seg_start = entry.x, seg_len = entry.y, q0 = entry.z, head = entry.w & 0xFF, h = heads * HD;
     // A piece (pieces > 0) covers key tiles [kt0, kt0 + n_tiles) of the segment's and leaves
-    // its unnormalised rows to flash_combine; otherwise the CTA takes every key tile.
+    // its unnormalised rows for merge_pieces; otherwise the CTA takes every key tile.
     const int pieces = entry.w >> 16, piece = (entry.w >> 8) & 0xFF, seg_tiles = (seg_len + BN - 1) / BN;
     const int kt0 = pieces ? seg_tiles * piece / pieces : 0;
     const int n_tiles = (pieces ? seg_tiles * (piece + 1) / pieces : seg_tiles) - kt0;
@@ -166,7 +226,7 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
     };
 
     if (threadIdx.x < 128) ones[threadIdx.x] = __float2bfloat16(1.f);
-    if (threadIdx.x < STAGES) released[threadIdx.x] = 0;
+    if (WGS > 1 && threadIdx.x < STAGES) released[threadIdx.x] = 0;
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma after the barrier
     const unsigned long long ones_desc = ones_descriptor(ones);
     // Stages are contiguous, so a stage's descriptor is the first one's plus its byte offset >> 4.
@@ -254,13 +314,20 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
     wgmma_wait<0>();
     fence_regs(o);
     const float l_row[2] = {o[NO][0], o[NO][2]};
-    if (pieces == 0)
-        store_rows(reinterpret_cast<const float (&)[NO][4]>(o), l_row, out, seg_start, seg_len, q0 + wg * 64 + warp * 16,
-                   h, head, lane >> 2, t);
-    else
-        store_partial(reinterpret_cast<const float (&)[NO][4]>(o), l_row, m_run,
-                      partial + (long long)(blockIdx.x - first_piece) * (64 * WGS) * (HD + 2), 64 * WGS,
-                      wg * 64 + warp * 16, lane >> 2, t);
+    const float (&o_rows)[NO][4] = reinterpret_cast<const float (&)[NO][4]>(o);
+    const int g = lane >> 2, row_first = wg * 64 + warp * 16;
+    if (pieces == 0) {
+        store_rows(o_rows, l_row, out, seg_start, seg_len, q0 + row_first, h, head, g, t);
+        return;
+    }
+    // A piece leaves its rows for the others; the last of its query tile to finish merges them all.
+    const long long first_slot = blockIdx.x - first_piece - piece;  // piece 0 of this query tile
+    store_partial(o_rows, l_row, m_run, PartialSlot<float>(partial, first_slot + piece, 64 * WGS), row_first, g, t);
+    if (!last_piece(&counters[first_slot / pieces], pieces)) return;
+    float merged[NO][4], den[2];
+    merge_pieces(o_rows, l_row, m_run, partial, first_slot, piece, pieces, 64 * WGS, row_first, g, t, scale_log2,
+                 merged, den);
+    store_rows(merged, den, out, seg_start, seg_len, q0 + row_first, h, head, g, t);
 }
 
 }  // namespace
@@ -268,50 +335,19 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
 // Dynamic shared memory: 1 KiB of alignment slack + 3 K + 3 V tiles (48 KiB), and with more than
 // one warpgroup their Q tiles (8 KiB each). `qkv_map` is the TMA descriptor of the QKV buffer
 // (qkv_map in kernels.py): [P rows, 3 x heads x HD columns], boxes of 64 rows x 64 columns in
-// the 128B swizzle, rows at or past P read as zeros. Grid: one CTA per work-list entry; entries
-// from first_piece on are pieces, whose rows go to `partial` (slot blockIdx.x - first_piece).
+// the 128B swizzle, rows at or past P read as zeros. Grid: one CTA per work-list entry. Entries
+// from first_piece on are pieces: their rows go to `partial` (slot blockIdx.x - first_piece) and
+// counters[(blockIdx.x - first_piece) / pieces] (zero between launches) counts them. Why pieces:
+// with 4 warpgroups a CTA one CTA fits an SM, and 2044x2044's 1344 CTAs are 10.2 rounds on 132
+// SMs, the last 24 of which took a whole round (0.37 ms of 4.04 a block); layout.flash_work_list
+// cuts such a tail into pieces that fill whole rounds. A separate combine kernel cost 14-17 us a
+// block, more than the merge in the last piece.
 #define FLASH_SM90(NAME, WGS)                                                                                    \
     extern "C" __global__ void __launch_bounds__(128 * WGS, 4 / WGS)                                             \
     NAME(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles, int heads,     \
-         float scale_log2, float* __restrict__ partial, int first_piece) {                                       \
-        flash_tile<WGS>(qkv_map, out, tiles, heads, scale_log2, partial, first_piece);                           \
+         float scale_log2, float* partial, unsigned* counters, int first_piece) {                                 \
+        flash_tile<WGS>(qkv_map, out, tiles, heads, scale_log2, partial, counters, first_piece);                 \
     }
 FLASH_SM90(flash_attention_sm90_hd64, 1)
 FLASH_SM90(flash_attention_sm90_hd64_wg2, 2)
 FLASH_SM90(flash_attention_sm90_hd64_wg4, 4)
-
-// The pieces of one query tile and head (entries first_piece + g * pieces + i, i < pieces), merged
-// as the single pass would have: rows rescaled to the largest of the pieces' maxima, O and the
-// row sums added in piece order (deterministic), divided, rounded to BF16 once. Why pieces at
-// all: with 4 warpgroups a CTA, one CTA fits an SM, and 2044x2044's 1344 CTAs are 10.2 rounds on
-// 132 SMs: the last 24 took a whole round (0.37 ms of 4.04 a block). engine.flash_work_list
-// cuts such a tail into pieces that fill one round. Grid: one block (256 threads) per group.
-extern "C" __global__ void __launch_bounds__(256)
-flash_combine(const float* __restrict__ partial, const int4* __restrict__ tiles, bf16* __restrict__ out,
-              int first_piece, int pieces, int bm, int heads, float scale_log2) {
-    const int4 entry = tiles[first_piece + blockIdx.x * pieces];
-    const int seg_start = entry.x, seg_len = entry.y, q0 = entry.z, head = entry.w & 0xFF;
-    const long long slot_size = (long long)bm * (HD + 2);
-    const float* group = partial + blockIdx.x * pieces * slot_size;
-    for (int idx = threadIdx.x; idx < bm * HD / 8; idx += blockDim.x) {  // 8 columns of one row a thread
-        const int row = idx / (HD / 8), c0 = (idx % (HD / 8)) * 8;
-        if (q0 + row >= seg_len) continue;
-        float mx = neg_inf();
-        for (int i = 0; i < pieces; ++i) mx = fmaxf(mx, group[i * slot_size + bm * HD + row]);
-        float acc[8] = {}, den = 0.f;
-        for (int i = 0; i < pieces; ++i) {
-            const float* slot = group + i * slot_size;
-            const float w = exp2f((slot[bm * HD + row] - mx) * scale_log2);
-            den += w * slot[bm * HD + bm + row];
-            const float4 a = *reinterpret_cast<const float4*>(slot + row * HD + c0);
-            const float4 b = *reinterpret_cast<const float4*>(slot + row * HD + c0 + 4);
-            acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-            acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
-        }
-        const float inv = 1.f / den;
-        const uint2 lo = pack4_bf16(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
-        const uint2 hi = pack4_bf16(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
-        *reinterpret_cast<uint4*>(out + (long long)(seg_start + q0 + row) * heads * HD + head * HD + c0) =
-            make_uint4(lo.x, lo.y, hi.x, hi.y);
-    }
-}

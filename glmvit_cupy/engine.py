@@ -151,10 +151,10 @@ class CupyTower:
         geo = self.geo
         p = num_patches(grid_thw)
         if p > geo.p_max:
-            need = p * geo.patch_size ** 2
+            px = geo.patch_size ** 2
             raise GlmVitError(
-                f"{p} patches exceed this engine's p_max of {geo.p_max} (max_pixels {geo.p_max * geo.patch_size ** 2}); "
-                f"raise it to at least {need} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
+                f"{p} patches exceed this engine's p_max of {geo.p_max} (max_pixels {geo.p_max * px}); "
+                f"raise it to at least {p * px} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
         s = self._scratch()
         key = grid_thw.tobytes()
         seen = key in self.tables
@@ -225,12 +225,12 @@ class CupyTower:
 
     def _attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, segments: np.ndarray,
                    tiles: cupy.ndarray, work: FlashWork) -> None:
-        """tiles: work.tiles on the device. Pieces pass through the cuBLAS workspace (no GEMM
-        runs during the attention)."""
+        """tiles: work.tiles on the device. Pieces pass their rows through the cuBLAS workspace (no
+        GEMM runs during the attention) and count themselves in the scratch's piece_counters."""
         geo, s = self.geo, self.scratch
         if self.attention_kind == "flash":
             self.k.flash_attention(qkv, qkv_map, out, tiles, len(work.tiles), geo.num_heads, geo.head_dim, work.bm,
-                                   s.workspace.view(cupy.float32), work.first_piece, work.pieces)
+                                   s.workspace.view(cupy.float32), s.piece_counters, work.first_piece, work.pieces)
             return
         h, hd = geo.hidden_size, geo.head_dim
         for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time

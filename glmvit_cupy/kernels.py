@@ -120,7 +120,7 @@ class Kernels:
         names = {"convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
                  "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
                  "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
-                 flash: tuple(_flash_name(flash, bm) for bm in FLASH_BM[flash]) + (("flash_combine",) if self.hopper else ())}
+                 flash: tuple(_flash_name(flash, bm) for bm in FLASH_BM[flash])}
         if self.hopper:
             names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
@@ -228,26 +228,30 @@ class Kernels:
         return self.flash_bms[-1]
 
     def flash_slots(self, bm: int) -> int:
-        """CTAs of a bm-query tile that run at once (a round), for the work list to cut its last
-        round into pieces; 0 where the kernel takes no pieces (mma.sync)."""
-        return self._sms * 256 // bm if self.hopper else 0
+        """CTAs of a bm-query tile that run at once (a round): the SMs times the CTAs the driver
+        fits on one (launch bounds, registers, shared memory). The work list cuts its last round
+        into pieces by it; 0 where the kernel takes no pieces (mma.sync)."""
+        if not self.hopper:
+            return 0
+        f, threads, smem = self._flash[bm]
+        return self._sms * cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(f.kernel.ptr, threads, smem)
 
     def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, tiles: cupy.ndarray,
                         n_tiles: int, heads: int, head_dim: int, bm: int, partial: cupy.ndarray | None = None,
-                        first_piece: int = 0, pieces: int = 0) -> None:
+                        counters: cupy.ndarray | None = None, first_piece: int = 0, pieces: int = 0) -> None:
         """tiles: the n_tiles entries of flash_work_list(segments, bm, ...), for one of
-        flash_bms; entries from first_piece on are pieces (Hopper), `pieces` a query tile, whose
-        rows pass through `partial` (float32, bm x (head_dim + 2) a piece) to flash_combine."""
+        flash_bms; entries from first_piece on are pieces (Hopper), `pieces` a query tile. Their
+        rows pass through `partial` (float32, bm x (head_dim + 2) a piece), and `counters` (uint32,
+        one per query tile cut, zero between launches) tells the last piece to merge them."""
         assert head_dim in FLASH_HEAD_DIMS
         scale_log2 = np.float32(head_dim ** -0.5 * float(np.log2(np.e)))
         f, threads, smem = self._flash[bm]
         if not self.hopper:
             f((n_tiles,), (threads,), (qkv, out, tiles, np.int32(heads), scale_log2), shared_mem=smem)
             return
-        f((n_tiles,), (threads,), (qkv_map, out, tiles, np.int32(heads), scale_log2,
-                                   partial if pieces else np.uint64(0), np.int32(first_piece)), shared_mem=smem)
         if pieces:
             assert partial.size >= (n_tiles - first_piece) * bm * (head_dim + 2)
-            self._f["flash_combine"](((n_tiles - first_piece) // pieces,), (256,),
-                                     (partial, tiles, out, np.int32(first_piece), np.int32(pieces), np.int32(bm),
-                                      np.int32(heads), scale_log2))
+            assert counters.size >= (n_tiles - first_piece) // pieces
+        f((n_tiles,), (threads,), (qkv_map, out, tiles, np.int32(heads), scale_log2,
+                                   partial if pieces else np.uint64(0), counters if pieces else np.uint64(0),
+                                   np.int32(first_piece)), shared_mem=smem)

@@ -21,7 +21,8 @@ half of transformers' at 2044x2044 (see BENCHMARKS.md):
   index     positions int32 [P, 2], flash work list,  -
             TMA descriptors: of the QKV rows (flash
             attention), of normed and merge_y (the
-            fused gate|up GEMM's inputs, Hopper)
+            fused gate|up GEMM's inputs, Hopper), the
+            flash pieces' counters
   workspace cuBLAS's workspace (given to the handle);  the same
             between the QKV and proj GEMMs, the
             flash kernel's pieces (engine._attention)
@@ -46,6 +47,7 @@ import dataclasses
 import math
 
 from .geometry import GlmVitGeometry
+from .layout import MAX_PIECE_GROUPS
 
 MLP_CHUNK = 4096  # rows of the block MLP's gate|up product held at once
 CUBLAS_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper; fixed, so graphs can capture
@@ -63,6 +65,7 @@ class ScratchPlan:
     merger_rows: int  # merger MLP chunk
     max_tiles: int  # flash work-list entries
     slabs: dict[str, int]
+    offsets: dict[str, int]  # byte offsets of the views that do not start their slab
     naive_bytes: int  # the [P, P] scores + probs, allocated only for attention="naive"
 
     @property
@@ -80,20 +83,28 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
     mlp_rows = min(MLP_CHUNK, p)
     qkv = _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o,
                      mlp_rows * 2 * geo.intermediate_size * 2))
-    # The merger's gate|up chunk takes what last_hidden_state (f32, an output) leaves of the slab.
-    merger_rows = max(1, min(m, (qkv - _round(4 * m * o)) // (2 * geo.projection_intermediate_size * 2)))
     # Flash work-list entries (one per query tile and head) at the smallest query tile: each
-    # segment adds one partial tile; one segment's last round, cut into pieces, at most doubles them.
+    # segment adds one partial tile; pieces (one segment's tail) at most double them (layout.py).
     max_tiles = max(p // FLASH_MIN_BM + p // geo.merge_unit, 2 * -(-p // FLASH_MIN_BM)) * geo.num_heads
+    offsets = {
+        "rope_sin": 4 * p * (geo.head_dim // 2),  # rope: cos, then sin
+        "tiles": _round(4 * 2 * p),  # index: positions, the work list, the TMA descriptors
+        "maps": _round(4 * 2 * p) + _round(16 * max_tiles),
+        "piece_counters": _round(4 * 2 * p) + _round(16 * max_tiles) + 3 * TMA_MAP_BYTES,
+        "last_hidden_bf16": 4 * m * o,  # qkv (merger phase): last_hidden_state, its copy, then
+        "merge_mlp": _round(4 * m * o),  # the gate|up chunk over the copy
+    }
+    # The merger's gate|up chunk takes what last_hidden_state (f32, an output) leaves of the slab.
+    merger_rows = max(1, min(m, (qkv - offsets["merge_mlp"]) // (2 * geo.projection_intermediate_size * 2)))
     slabs = {
         "resid": _round(max(4 * p * h, 4 * m * o, 2 * m * geo.merge_unit * h)),
         "normed": _round(max(2 * p * h, 2 * m * o)),
         "qkv": qkv,
-        "rope": _round(2 * 4 * p * (geo.head_dim // 2)),
-        "index": _round(4 * 2 * p) + _round(16 * max_tiles) + 3 * TMA_MAP_BYTES,
+        "rope": _round(2 * offsets["rope_sin"]),
+        "index": offsets["piece_counters"] + 4 * MAX_PIECE_GROUPS,
         "workspace": CUBLAS_WORKSPACE,
     }
-    return ScratchPlan(p, mlp_rows, merger_rows, max_tiles, slabs, naive_bytes=p * p * (4 + 2))
+    return ScratchPlan(p, mlp_rows, merger_rows, max_tiles, slabs, offsets, naive_bytes=p * p * (4 + 2))
 
 
 class GlmVitScratch:
@@ -105,7 +116,7 @@ class GlmVitScratch:
         self.plan = plan
         self.slabs = slab = {name: cupy.empty(size, dtype=cupy.uint8) for name, size in plan.slabs.items()}
         p, h, o, m = plan.p_max, geo.hidden_size, geo.out_hidden_size, plan.p_max // geo.merge_unit
-        hd2 = geo.head_dim // 2
+        hd2, at = geo.head_dim // 2, plan.offsets
 
         def view(name: str, dtype, shape: tuple[int, ...], offset: int = 0):
             n = math.prod(shape) * cupy.dtype(dtype).itemsize
@@ -120,18 +131,20 @@ class GlmVitScratch:
         self.qkv = view("qkv", bf16, (p, 3 * h))
         self.mlp = view("qkv", bf16, (plan.mlp_rows, 2 * geo.intermediate_size))
         self.rope_cos = view("rope", cupy.float32, (p, hd2))
-        self.rope_sin = view("rope", cupy.float32, (p, hd2), 4 * p * hd2)
+        self.rope_sin = view("rope", cupy.float32, (p, hd2), at["rope_sin"])
         self.positions = view("index", cupy.int32, (p, 2))
-        self.tiles = view("index", cupy.int32, (plan.max_tiles, 4), _round(4 * 2 * p))
-        maps = view("index", cupy.uint8, (3, TMA_MAP_BYTES), _round(4 * 2 * p) + _round(16 * plan.max_tiles))
+        self.tiles = view("index", cupy.int32, (plan.max_tiles, 4), at["tiles"])
+        maps = view("index", cupy.uint8, (3, TMA_MAP_BYTES), at["maps"])
         self.qkv_map, self.normed_map, self.merge_y_map = maps
+        self.piece_counters = view("index", cupy.uint32, (MAX_PIECE_GROUPS,), at["piece_counters"])
+        self.piece_counters.fill(0)  # the flash kernel leaves them at zero after every launch
         # merger phase
         self.merge_a = view("resid", bf16, (m, geo.merge_unit * h))
         self.merge_y = view("normed", bf16, (m, o))
         self.last_hidden = view("qkv", cupy.float32, (m, o))
-        self.last_hidden_bf16 = view("qkv", bf16, (m, o), 4 * m * o)
+        self.last_hidden_bf16 = view("qkv", bf16, (m, o), at["last_hidden_bf16"])
         self.pooler = view("resid", cupy.float32, (m, o))
-        self.merge_mlp = view("qkv", bf16, (plan.merger_rows, 2 * geo.projection_intermediate_size), _round(4 * m * o))
+        self.merge_mlp = view("qkv", bf16, (plan.merger_rows, 2 * geo.projection_intermediate_size), at["merge_mlp"])
         # naive attention only: one (segment, head) score matrix at a time
         self.workspace = slab["workspace"]
         self.scores = cupy.empty(p * p, dtype=cupy.float32) if naive else None

@@ -160,7 +160,8 @@ def test_truncated_and_corrupt_shards(tmp_path):
 def test_missing_shard_and_empty_directory(tmp_path):
     ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=10)
     (ckpt / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(GlmVitError, match="model-00002-of-00003.safetensors: shard listed in the checkpoint is missing"):
+    missing = "model-00002-of-00003.safetensors: shard listed in the checkpoint is missing"
+    with pytest.raises(GlmVitError, match=missing):
         locate_tower(ckpt)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text('{"model_type": "glm5_next_vision"}')
