@@ -112,10 +112,11 @@ def flash_work_list(segments: np.ndarray, bm: int, heads: int, slots: int = 0) -
 
     With one segment and `slots` CTAs a round (Kernels.flash_slots), the entries past the last
     whole round are cut into pieces, each over a range of the keys (tail_pieces says how many);
-    the last piece of a query tile to finish merges them. With one CTA an SM, 2044x2044's last 24 CTAs of 1344 took as long
-    as a whole round. Pieces never outnumber the whole entries (the index slab holds twice the
-    entries: scratch.py). Only for one segment: with several, which images' tiles form the tail
-    would depend on their order, and so would the last bits of their results."""
+    the last piece of a query tile to finish merges them. With one CTA an SM, 2044x2044's last
+    24 CTAs of 1344 took as long as a whole round. Pieces never outnumber the entries, so the
+    list at most doubles (the index slab holds that: scratch.py). Only for one segment: with
+    several, which images' tiles form the tail would depend on their order, and so would the
+    last bits of their results."""
     entries = [(start, length, q0, head) for head in range(heads) for start, length in segments.tolist()
                for q0 in range(0, length, bm)]
     full, rem = divmod(len(entries), slots) if slots else (0, 0)
