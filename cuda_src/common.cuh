@@ -55,6 +55,12 @@ __device__ __forceinline__ float4 load4_bf16(const bf16* p) {  // p 8-byte align
     return make_float4(a.x, a.y, b.x, b.y);
 }
 
+// Eight floats -> BF16 (round to nearest even), one 16-byte store; p 16-byte aligned.
+__device__ __forceinline__ void store8_bf16(bf16* p, const float (&f)[8]) {
+    const uint2 lo = pack4_bf16(f[0], f[1], f[2], f[3]), hi = pack4_bf16(f[4], f[5], f[6], f[7]);
+    *reinterpret_cast<uint4*>(p) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
 __device__ __forceinline__ void unpack8_bf16(uint4 u, float (&f)[8]) {  // 16 bytes -> 8 floats
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
     #pragma unroll

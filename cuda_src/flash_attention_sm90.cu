@@ -164,7 +164,9 @@ __device__ __forceinline__ bool last_piece(unsigned* counter, int pieces) {
 // The rows of a query tile's pieces merged as one pass would have: rescaled to the largest of
 // the maxima, O and the row sums added in piece order, so the bits do not depend on which piece
 // finished last. This CTA's own piece comes from its registers, the others' through L2 (__ldcg:
-// this SM's L1 never saw their stores).
+// this SM's L1 never saw their stores). Each other piece's maximum is read twice, for the
+// maximum and for its weight: 4-byte L2 hits in the last piece only, where keeping up to
+// MAX_PIECES maxima a row would take 32 registers.
 template <int NO>
 __device__ __forceinline__ void merge_pieces(const float (&o)[NO][4], const float (&l_row)[2], const float (&m_run)[2],
                                              const float* partial, long long first_slot, int piece, int pieces, int bm,

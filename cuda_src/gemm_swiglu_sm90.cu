@@ -127,10 +127,7 @@ gemm_swiglu_sm90(const void* __restrict__ x_map, const void* __restrict__ w_map,
                 #pragma unroll
                 for (int e = 0; e < 8; ++e)
                     a[e] = fast_silu(fminf(g[e] + bg[e], limit)) * fminf(fmaxf(u[e] + bu[e], -limit), limit);
-                if (m0 + r < rows) {
-                    const uint2 lo = pack4_bf16(a[0], a[1], a[2], a[3]), hi = pack4_bf16(a[4], a[5], a[6], a[7]);
-                    *reinterpret_cast<uint4*>(act + (long long)(m0 + r) * ld_act + n0 + cl) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-                }
+                if (m0 + r < rows) store8_bf16(act + (long long)(m0 + r) * ld_act + n0 + cl, a);
             }
             mbar_arrive(&drained);
         }

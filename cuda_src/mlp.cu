@@ -31,7 +31,6 @@ swiglu_clamp(bf16* __restrict__ gu, const bf16* __restrict__ bias, int rows, int
         #pragma unroll
         for (int e = 0; e < 8; ++e)
             a[e] = silu(fminf(gate[e] + gb[e], limit)) * fminf(fmaxf(up[e] + ub[e], -limit), limit);
-        const uint2 lo = pack4_bf16(a[0], a[1], a[2], a[3]), hi = pack4_bf16(a[4], a[5], a[6], a[7]);
-        *reinterpret_cast<uint4*>(g) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        store8_bf16(g, a);
     }
 }

@@ -70,8 +70,5 @@ qknorm_rope(bf16* __restrict__ qkv, const bf16* __restrict__ bias, const bf16* _
         const float partner = __shfl_xor_sync(0xffffffffu, v[e], G / 2);
         out[e] = v[e] * c[e] + (lower ? -partner : partner) * s[e];
     }
-    if (live) {
-        const uint2 lo = pack4_bf16(out[0], out[1], out[2], out[3]), hi = pack4_bf16(out[4], out[5], out[6], out[7]);
-        *reinterpret_cast<uint4*>(x) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-    }
+    if (live) store8_bf16(x, out);
 }

@@ -86,11 +86,13 @@ def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
     # Flash work-list entries (one per query tile and head) at the smallest query tile: each
     # segment adds one partial tile; pieces (one segment's tail) at most double them (layout.py).
     max_tiles = max(p // FLASH_MIN_BM + p // geo.merge_unit, 2 * -(-p // FLASH_MIN_BM)) * geo.num_heads
+    tiles = _round(4 * 2 * p)  # index: positions, the work list, the TMA descriptors, the piece counters
+    maps = tiles + _round(16 * max_tiles)
     offsets = {
         "rope_sin": 4 * p * (geo.head_dim // 2),  # rope: cos, then sin
-        "tiles": _round(4 * 2 * p),  # index: positions, the work list, the TMA descriptors
-        "maps": _round(4 * 2 * p) + _round(16 * max_tiles),
-        "piece_counters": _round(4 * 2 * p) + _round(16 * max_tiles) + 3 * TMA_MAP_BYTES,
+        "tiles": tiles,
+        "maps": maps,
+        "piece_counters": maps + 3 * TMA_MAP_BYTES,
         "last_hidden_bf16": 4 * m * o,  # qkv (merger phase): last_hidden_state, its copy, then
         "merge_mlp": _round(4 * m * o),  # the gate|up chunk over the copy
     }
