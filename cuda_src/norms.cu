@@ -19,10 +19,12 @@
 // latency and the kernel ran at half its former speed.
 constexpr int SWEEP = 8;  // float4 per lane and sweep: a 1024-wide row is one sweep
 
-__device__ __forceinline__ float4 biased(const float* row, const float* bias, int i) {
-    float4 v = *reinterpret_cast<const float4*>(row + i);
-    const float4 b = *reinterpret_cast<const float4*>(bias + i);
+__device__ __forceinline__ float4 add4(float4 v, float4 b) {
     return make_float4(v.x + b.x, v.y + b.y, v.z + b.z, v.w + b.w);
+}
+
+__device__ __forceinline__ float4 biased(const float* row, const float* bias, int i) {
+    return add4(*reinterpret_cast<const float4*>(row + i), *reinterpret_cast<const float4*>(bias + i));
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -44,7 +46,7 @@ rmsnorm_bias(const float* __restrict__ x, const float* __restrict__ bias, const 
         #pragma unroll
         for (int c = 0; c < SWEEP; ++c) {
             if (base + 128 * c < n) {
-                const float4 u = make_float4(v[c].x + b[c].x, v[c].y + b[c].y, v[c].z + b[c].z, v[c].w + b[c].w);
+                const float4 u = add4(v[c], b[c]);
                 ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
             }
         }
