@@ -56,6 +56,7 @@ def test_auto_without_a_gpu_says_so(tmp_path, tiny_ckpt, pngs):
     proc = run("encode", str(pngs[0]), "--model", str(tiny_ckpt), "--out", str(tmp_path / "a.npy"))
     assert proc.returncode == 0, proc.stderr
     assert "running the NumPy backend" in proc.stderr
+    assert_clean_failure(run("bench", "--model", str(tiny_ckpt)), "bench needs a CUDA GPU")
 
 
 def test_npz_with_several_images_and_both_outputs(tmp_path, tiny_ckpt, pngs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmvit_cupy import GlmVit, GlmVitError, preprocess
+from glmvit_cupy import GlmVit, GlmVitError, load_geometry, preprocess
+from glmvit_cupy.benchmark import forward_flops
 from glmvit_cupy.geometry import REAL, GlmVitGeometry
 from glmvit_cupy.synthetic import write_checkpoint
 from helpers import photo_like, rel_err, run_transformers, transformers_tower
@@ -317,6 +319,24 @@ def test_cli_auto_uses_the_gpu(tmp_path, real_ckpt):
     emb = np.load(tmp_path / "a.npy")
     pixels, grid = preprocess(tmp_path / "a.png")
     assert emb.shape == (grid.prod() // 4, 4096) and np.isfinite(emb).all()
+
+
+def test_cli_bench_reports_time_flops_peaks_and_stages(real_ckpt):
+    """`glmvit-cupy bench`: its TFLOP/s is the FLOP count over its own median, its percentages
+    are of the two cuBLAS peaks it printed, and every stage of the forward has a time."""
+    proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "bench", "--model", str(real_ckpt),
+                           "--image-size", "448", "--batch", "2", "--iters", "5"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    print(proc.stdout.strip())
+    burst, sustained = map(float, re.search(r"peak (\d+) TFLOP/s in a burst, (\d+) sustained", proc.stdout).groups())
+    line = re.search(r"2 x 448x448 \((\d+) patches\): ([\d.]+) ms, (\d+) TFLOP/s \((\d+)% / (\d+)% .*"
+                     r"eager stages ms: (.*)", proc.stdout)
+    patches, ms, tflops, pct_burst, pct_sustained = (float(x) for x in line.groups()[:5])
+    flops = forward_flops(load_geometry(real_ckpt), np.array([[1, 32, 32]] * 2))
+    assert patches == 2048 and abs(tflops - flops / ms / 1e9) <= 0.01 * tflops + 1
+    assert abs(pct_burst - 100 * tflops / burst) <= 1 and abs(pct_sustained - 100 * tflops / sustained) <= 1
+    stages = dict(item.split(" ") for item in line.group(6).split(", "))
+    assert list(stages) == ["patch_embed", "attention", "mlp", "merger"] and all(float(v) > 0 for v in stages.values())
 
 
 @pytest.mark.parametrize("hidden, heads", [(128, 2), (128, 4), (256, 2), (96, 3)])
