@@ -16,7 +16,7 @@
 namespace attn {
 
 // One CTA's share of the work: a 128-query tile of one segment for one head (entry blockIdx.x
-// of the host's work list, engine.flash_work_list: {segment start row, length, first query row
+// of the host's work list, layout.flash_work_list: {segment start row, length, first query row
 // in the segment, head | piece << 8 | pieces << 16}; the wgmma kernel alone gets pieces), and
 // where that head's Q, K and V columns start in the QKV buffer [P, 3, heads, HD] (row stride
 // `ld`).
