@@ -18,14 +18,20 @@ from .geometry import GlmVitGeometry
 from .layout import frame_segments
 
 
+def attention_flops(geo: GlmVitGeometry, grid_thw: np.ndarray) -> float:
+    """Multiply-adds x 2 of every block's QK^T and PV (each segment attends within itself)."""
+    return geo.depth * 4.0 * geo.hidden_size * float((frame_segments(grid_thw)[:, 1].astype(np.float64) ** 2).sum())
+
+
 def forward_flops(geo: GlmVitGeometry, grid_thw: np.ndarray) -> float:
-    """Multiply-adds x 2 of one forward (SPEC.md's cost model, with the exact segments)."""
+    """Multiply-adds x 2 of one forward (SPEC.md's cost model, with the exact segments): the
+    attention, and the GEMMs (patch embed, the blocks' linears, the merger's)."""
     p = float(np.prod(grid_thw, axis=1).sum())
     m = p / geo.merge_unit
     h, i, o, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
-    attn = 4.0 * h * float((frame_segments(grid_thw)[:, 1].astype(np.float64) ** 2).sum())
-    blocks = geo.depth * (p * (8 * h * h + 6 * h * i) + attn)
-    return blocks + 2 * p * geo.patch_dim * h + 2 * m * geo.merge_unit * h * o + 2 * m * (o * o + 3 * o * pi)
+    gemms = geo.depth * p * (8 * h * h + 6 * h * i) + 2 * p * geo.patch_dim * h \
+        + 2 * m * geo.merge_unit * h * o + 2 * m * (o * o + 3 * o * pi)
+    return gemms + attention_flops(geo, grid_thw)
 
 
 def median_ms(run: Callable[[], object], stream, warmup: int = 3, iters: int = 20) -> float:
