@@ -148,10 +148,12 @@ def encode(images: tuple[Path, ...], model_dir: Path, out_path: Path, backend: s
 def info(model_dir: Path, max_pixels: int | None) -> None:
     """Show the tower bound from a checkpoint (headers only; no tensor data is read)."""
     from glmvit_cupy.checkpoint import locate_tower
+    from glmvit_cupy.geometry import patch_budget
     from glmvit_cupy.scratch import scratch_plan
 
-    loc = locate_tower(model_dir, max_pixels)
+    loc = locate_tower(model_dir)
     geo = loc.geometry
+    p_max = patch_budget(geo, max_pixels)
     all_shards = sorted({p.name for p in model_dir.glob("*.safetensors")})
     read = [s.name for s in loc.shards]
     skipped = len(all_shards) - len(read)
@@ -169,8 +171,8 @@ def info(model_dir: Path, max_pixels: int | None) -> None:
                      f"{geo.projection_intermediate_size}"),
         ("numerics", f"rms_norm_eps {geo.rms_norm_eps:g}, swiglu_limit {geo.swiglu_limit:g}, "
                      f"rope_theta {geo.rope_theta:g}"),
-        ("p_max", f"{geo.p_max} patches per forward call"),
-        ("gpu scratch", f"{scratch_plan(geo).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image)"),
+        ("p_max", f"{p_max} patches per forward call"),
+        ("gpu scratch", f"{scratch_plan(geo, p_max).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image)"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -220,6 +222,7 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
     """
     from glmvit_cupy import GlmVit, load_geometry, preprocess
     from glmvit_cupy.benchmark import cublas_peak, time_engine
+    from glmvit_cupy.geometry import patch_budget
     from glmvit_cupy.model import gpu_available
 
     ok, why = gpu_available()
@@ -235,10 +238,10 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
     geo = load_geometry(model_dir)
     most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
     vit = GlmVit.from_pretrained(model_dir, backend="cupy", attention=attention,
-                                 max_pixels=max(most, geo.p_max) * geo.patch_size ** 2)
+                                 max_pixels=max(most, patch_budget(geo)) * geo.patch_size ** 2)
     peak = cublas_peak()
     click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak.burst:.0f} TFLOP/s in a burst, {peak.sustained:.0f} "
-               f"sustained; scratch {vit.scratch_bytes / 2**20:.0f} MiB for p_max {vit.geometry.p_max}; "
+               f"sustained; scratch {vit.scratch_bytes / 2**20:.0f} MiB for p_max {vit.p_max}; "
                f"attention {attention}")
     for size, (pixels, grid) in cases:
         t = time_engine(vit, cupy.asarray(pixels), grid, iters=iters)

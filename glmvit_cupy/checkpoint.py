@@ -203,12 +203,12 @@ def _census(names: dict[str, Path], prefix: str, expected: dict[str, tuple[int, 
             f"under {prefix}, found {len(present)}: {'; '.join(parts)}")
 
 
-def locate_tower(model_dir: str | Path, max_pixels: int | None = None) -> TowerLocation:
+def locate_tower(model_dir: str | Path) -> TowerLocation:
     """Geometry, prefix, census, dtype and shape checks, from headers alone."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise GlmVitError(f"{directory}: not a directory")
-    geo = load_geometry(directory).with_max_pixels(max_pixels)
+    geo = load_geometry(directory)
     names = _tensor_names(directory)
     prefix = _probe_prefix(names, directory)
     expected = tower_shapes(geo)
@@ -300,9 +300,9 @@ def read_tower(location: TowerLocation) -> TowerWeights:
     return TowerWeights(location, arena, offsets, bytes_read)
 
 
-def bind_checkpoint(model_dir: str | Path, max_pixels: int | None = None) -> TowerWeights:
-    """locate + read: the tower's weights, ready for either backend."""
-    return read_tower(locate_tower(model_dir, max_pixels))
+def bind_checkpoint(model_dir: str | Path) -> TowerWeights:
+    """locate + read: the tower's weights, ready for either backend (and any number of engines)."""
+    return read_tower(locate_tower(model_dir))
 
 
 A = TypeVar("A")

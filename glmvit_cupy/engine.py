@@ -64,22 +64,36 @@ def bias_sums(weights: TowerWeights) -> np.ndarray:
 
 
 class CupyRuntime:
-    """The device-side setup that does not depend on the weights: the engine's stream, the
-    compiled kernels and the cuBLAS handle. `GlmVit.from_pretrained` builds it on a worker
-    thread while the checkpoint is read (CUDA context, module loads and cuBLAS's start-up
-    take about as long as reading a 1.05 GiB tower from the page cache)."""
+    """The device-side setup that does not depend on the weights, all on one CUDA device: the
+    engine's stream, the compiled kernels and the cuBLAS handle. `GlmVit.from_pretrained`
+    builds it on a worker thread while the checkpoint is read (CUDA context, module loads and
+    cuBLAS's start-up take about as long as reading a 1.05 GiB tower from the page cache)."""
 
-    def __init__(self) -> None:
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.kernels = Kernels()
-        self.blas = Cublas(self.stream)
+    def __init__(self, device: int | None = None) -> None:
+        self.device = cupy.cuda.Device(device)  # None: the caller's current device
+        with self.device:
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.kernels = Kernels()
+            self.blas = Cublas(self.stream)
 
 
 class CupyTower:
-    """The tower on one CUDA device."""
+    """The tower on one CUDA device, with a patch budget of its own: p_max patch rows a call
+    (`geometry.patch_budget`), which sizes its scratch. Several towers (budgets, devices) can
+    share one `TowerWeights`."""
 
-    def __init__(self, weights: TowerWeights, attention: str = "auto", runtime: CupyRuntime | None = None) -> None:
+    def __init__(self, weights: TowerWeights, p_max: int, attention: str = "auto",
+                 runtime: CupyRuntime | None = None, device: int | None = None) -> None:
+        runtime = runtime or CupyRuntime(device)
+        if device is not None and runtime.device.id != device:
+            raise GlmVitError(f"cupy backend: the runtime is on device {runtime.device.id}, not {device}")
+        self.device = runtime.device
+        with self.device:
+            self._init(weights, p_max, attention, runtime)
+
+    def _init(self, weights: TowerWeights, p_max: int, attention: str, runtime: CupyRuntime) -> None:
         geo = self.geo = weights.location.geometry
+        self.p_max = p_max
         for name in ("hidden_size", "intermediate_size", "out_hidden_size", "projection_intermediate_size",
                      "patch_dim"):
             if getattr(geo, name) % 8:
@@ -96,8 +110,7 @@ class CupyTower:
             raise GlmVitError(f"flash attention is compiled for head_dim {FLASH_HEAD_DIMS}, this tower has "
                               f"{geo.head_dim}: use attention='naive'")
         self.attention_kind = attention
-        self.plan = scratch_plan(geo)
-        runtime = runtime or CupyRuntime()
+        self.plan = scratch_plan(geo, p_max)
         self.stream, self.k, self.blas = runtime.stream, runtime.kernels, runtime.blas
         with self.stream:
             self.arena = cupy.asarray(weights.arena)  # the whole tower, one host-to-device copy
@@ -137,7 +150,7 @@ class CupyTower:
 
     def _scratch(self) -> GlmVitScratch:
         if self.scratch is None:
-            with self.stream:
+            with self.device, self.stream:
                 s = self.scratch = GlmVitScratch(self.geo, self.plan, naive=self.attention_kind == "naive")
                 if self.fused_mlp:  # over all p_max rows: rows past a call's p feed only unstored output rows
                     s.normed_map.set(self.k.gate_up_map(s.normed), stream=self.stream)
@@ -148,12 +161,16 @@ class CupyTower:
     # ---- the forward: host bookkeeping, then one flat sequence of launches -------------
 
     def forward(self, pixel_values, grid_thw: np.ndarray, marks: Callable[[str], None] | None = None):
+        with self.device:
+            return self._forward(pixel_values, grid_thw, marks)
+
+    def _forward(self, pixel_values, grid_thw: np.ndarray, marks: Callable[[str], None] | None):
         geo = self.geo
         p = num_patches(grid_thw)
-        if p > geo.p_max:
+        if p > self.p_max:
             px = geo.patch_size ** 2
             raise GlmVitError(
-                f"{p} patches exceed this engine's p_max of {geo.p_max} (max_pixels {geo.p_max * px}); "
+                f"{p} patches exceed this engine's p_max of {self.p_max} (max_pixels {self.p_max * px}); "
                 f"raise it to at least {p * px} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
         s = self._scratch()
         key = grid_thw.tobytes()

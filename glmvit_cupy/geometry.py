@@ -1,7 +1,9 @@
 """`GlmVitGeometry`: the tower's shape, read from config.json and validated once.
 
 Everything the engines need that is not a weight lives here, with the derived sizes
-(head_dim, patch_dim, p_max) computed once. The constructor plays the role of the seed's
+(head_dim, patch_dim) computed once. The patch budget of one forward call is not the
+model's shape but an engine's choice (`patch_budget`): several engines with different
+budgets can share one bound checkpoint. The constructor plays the role of the seed's
 `GlmVit::new`: it refuses a geometry the math or the kernels cannot run, and each refusal
 names the numbers.
 
@@ -63,9 +65,6 @@ class GlmVitGeometry:
     rms_norm_eps: float
     swiglu_limit: float
     rope_theta: float
-    # Pixel budget of one forward call (all images together); sizes the GPU scratch.
-    # Default: the largest image the preprocessor admits (MAX_IMAGE_TOKENS merged tokens).
-    max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("depth", "hidden_size", "intermediate_size", "in_channels",
@@ -93,11 +92,6 @@ class GlmVitGeometry:
         for name in ("rms_norm_eps", "swiglu_limit", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise GlmVitError(f"geometry: {name} {getattr(self, name)!r} must be positive")
-        if self.max_pixels is not None and self.p_max < self.merge_unit:
-            raise GlmVitError(
-                f"geometry: max_pixels {self.max_pixels} admits {self.p_max} patches of "
-                f"{self.patch_size}x{self.patch_size}; at least {self.merge_unit} (one merged "
-                "token) are needed")
 
     # Derived sizes, computed from the fields, never stored twice.
     @property
@@ -115,13 +109,6 @@ class GlmVitGeometry:
         return self.spatial_merge_size ** 2
 
     @property
-    def p_max(self) -> int:
-        """Patch rows one forward call may carry: every GPU buffer is sized for it."""
-        pixels = self.max_pixels if self.max_pixels is not None else default_max_pixels(self)
-        patches = pixels // self.patch_size ** 2
-        return patches - patches % self.merge_unit
-
-    @property
     def tensor_count(self) -> int:
         """depth x 14 block tensors + 11 non-block tensors: 347 for the real tower."""
         return self.depth * 14 + 11
@@ -134,13 +121,20 @@ class GlmVitGeometry:
         merger = h + (o * h * self.merge_unit + o) + o * o + 2 * o + 3 * o * pi
         return self.depth * block + (h * self.patch_dim + h) + merger
 
-    def with_max_pixels(self, max_pixels: int | None) -> GlmVitGeometry:
-        return dataclasses.replace(self, max_pixels=max_pixels)
 
 
-def default_max_pixels(geo: GlmVitGeometry) -> int:
-    """Pixels of the largest image the preprocessor admits: MAX_IMAGE_TOKENS merged tokens."""
-    return MAX_IMAGE_TOKENS * geo.merge_unit * geo.patch_size ** 2
+def patch_budget(geo: GlmVitGeometry, max_pixels: int | None = None) -> int:
+    """Patch rows one forward call of an engine may carry (p_max; every GPU buffer is sized
+    for it) for a pixel budget of all images together. Default: the largest image the
+    preprocessor admits (MAX_IMAGE_TOKENS merged tokens)."""
+    pixels = max_pixels if max_pixels is not None else MAX_IMAGE_TOKENS * geo.merge_unit * geo.patch_size ** 2
+    patches = pixels // geo.patch_size ** 2
+    p_max = patches - patches % geo.merge_unit
+    if p_max < geo.merge_unit:
+        raise GlmVitError(
+            f"max_pixels {max_pixels} admits {p_max} patches of {geo.patch_size}x{geo.patch_size}; "
+            f"at least {geo.merge_unit} (one merged token) are needed")
+    return p_max
 
 
 def _int_field(cfg: dict[str, Any], name: str, where: str) -> Any:

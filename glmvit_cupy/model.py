@@ -19,9 +19,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .checkpoint import bind_checkpoint
+from .checkpoint import TowerWeights, bind_checkpoint
 from .errors import GlmVitError
-from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry
+from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry, patch_budget
 from .layout import check_grid, merged_offsets, num_patches
 from .preprocess import ImageLike, preprocess
 
@@ -64,6 +64,20 @@ def gpu_available() -> tuple[bool, str]:
         return False, f"no usable CUDA device ({type(exc).__name__})"
 
 
+def _choose_backend(backend: str) -> tuple[str, str]:
+    """(backend, a note saying why) for a requested backend; 'cupy' must have a GPU."""
+    if backend not in BACKENDS:
+        raise GlmVitError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "numpy":
+        return "numpy", ""
+    ok, why = gpu_available()
+    if backend == "auto":
+        return ("cupy", f"using the GPU ({why})") if ok else ("numpy", f"{why}: running the NumPy backend on the CPU (slow)")
+    if not ok:
+        raise GlmVitError(f"backend 'cupy': {why}")
+    return "cupy", ""
+
+
 class GlmVit:
     """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend."""
 
@@ -75,28 +89,39 @@ class GlmVit:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
-                        attention: str = "flash") -> GlmVit:
+                        attention: str | None = None, device: int | None = None) -> GlmVit:
         """Bind the tower in `path`. `max_pixels` is the pixel budget of one forward call (all
         images together) and sizes the GPU scratch; `attention` ("flash" or "naive", the
-        materialised-score cross-check) applies to the GPU engine."""
-        if backend not in BACKENDS:
-            raise GlmVitError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-        note = ""
-        if backend == "auto":
-            ok, why = gpu_available()
-            backend = "cupy" if ok else "numpy"
-            note = f"using the GPU ({why})" if ok else f"{why}: running the NumPy backend on the CPU (slow)"
+        materialised-score cross-check; default: the engine's choice for the head_dim) and
+        `device` (a CUDA device index; default: the current one) apply to the GPU engine."""
+        backend, note = _choose_backend(backend)
+        if backend == "numpy":
+            return cls.from_weights(bind_checkpoint(path), "numpy", max_pixels, note=note)
+        from .engine import CupyRuntime
+        with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
+            runtime = pool.submit(CupyRuntime, device)
+            weights = bind_checkpoint(path)
+            return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note)
+
+    @classmethod
+    def from_weights(cls, weights: TowerWeights, backend: str = "auto", max_pixels: int | None = None,
+                     attention: str | None = None, device: int | None = None, runtime: Any = None,
+                     note: str = "") -> GlmVit:
+        """An engine over weights already bound (`checkpoint.bind_checkpoint`): several engines,
+        with their own budgets and devices, can share one read of the tower."""
+        backend, auto_note = _choose_backend(backend)
+        p_max = patch_budget(weights.location.geometry, max_pixels)
         if backend == "numpy":
             from .reference import NumpyTower
-            return cls(NumpyTower(bind_checkpoint(path, max_pixels)), "numpy", note)
-        ok, why = gpu_available()
-        if not ok:
-            raise GlmVitError(f"backend 'cupy': {why}")
-        from .engine import CupyRuntime, CupyTower
-        with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
-            runtime = pool.submit(CupyRuntime)
-            weights = bind_checkpoint(path, max_pixels)
-            return cls(CupyTower(weights, attention=attention, runtime=runtime.result()), "cupy", note)
+            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note)
+        from .engine import CupyTower
+        options = {} if attention is None else {"attention": attention}
+        return cls(CupyTower(weights, p_max, runtime=runtime, device=device, **options), "cupy", note or auto_note)
+
+    @property
+    def p_max(self) -> int:
+        """Patch rows one forward call of this engine may carry."""
+        return self.tower.p_max
 
     @property
     def scratch_bytes(self) -> int:
@@ -128,7 +153,7 @@ class GlmVit:
         results: list[GlmVitOutput] = []
         batch: list[tuple[np.ndarray, np.ndarray]] = []
         for item in prepared + [None]:
-            full = batch and item is not None and sum(len(p) for p, _ in batch) + len(item[0]) > geo.p_max
+            full = batch and item is not None and sum(len(p) for p, _ in batch) + len(item[0]) > self.p_max
             if batch and (item is None or full):
                 out = self.forward(np.concatenate([p for p, _ in batch]), np.concatenate([g for _, g in batch]))
                 results.extend(out.split())

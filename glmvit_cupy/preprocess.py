@@ -1,15 +1,20 @@
 """Images -> (pixel_values, grid_thw), exactly as transformers' `Glm5NextImageProcessorPil`.
 
-Steps, each in the oracle's own arithmetic so the output matches it bit for bit:
-convert to RGB (transparency composited onto white) -> `smart_resize` picks a canvas aligned
-to 28 px inside the token budget -> PIL bicubic resize of the content, zero padding on the
-bottom/right on raw uint8 pixels -> x (1/255) in float64, cast to float32 -> normalise with
-the CLIP mean/std in float32 -> patchify block-major, each patch (C, T, 14, 14) with the
-single frame repeated T = 2 times. grid_thw = (1, H/14, W/14).
+Two halves, so that the collection pipeline can run the first in worker processes and the
+second on the GPU (`cuda_src/patchify.cu`) from 1 byte a value instead of 4:
+- `canvas`: convert to RGB (transparency composited onto white) -> `smart_resize` picks a
+  canvas aligned to 28 px inside the token budget -> PIL bicubic resize of the content, zero
+  padding on the bottom/right, on raw uint8 pixels: uint8 [H, W, 3].
+- `patchify`: each uint8 value v of channel c becomes `pixel_table()[c, v]`, which is
+  (float32(float64(v) x 1/255) - mean[c]) / std[c] in float32, the oracle's own arithmetic
+  tabulated (so the result matches it bit for bit) -> block-major patches, each (C, T, 14, 14)
+  with the single frame repeated T = 2 times. grid_thw = (1, H/14, W/14).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Sequence, Union
@@ -24,6 +29,28 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 ImageLike = Union[str, Path, Image.Image, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorConfig:
+    """The image processor's settings (transformers' defaults for Glm5NextImageProcessorPil)."""
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_image_tokens: int = MIN_IMAGE_TOKENS
+    max_image_tokens: int = MAX_IMAGE_TOKENS
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+
+    def __post_init__(self) -> None:
+        if self.min_image_tokens < 1 or self.max_image_tokens < self.min_image_tokens:
+            raise GlmVitError(f"image token budget [{self.min_image_tokens}, {self.max_image_tokens}] is empty")
+
+    @property
+    def factor(self) -> int:
+        """Canvas sides are multiples of this (28: a 2x2 block of 14-pixel patches)."""
+        return self.patch_size * self.merge_size
 
 
 def smart_resize(height: int, width: int, *, factor: int = 28, temporal_factor: int = 2,
@@ -95,52 +122,65 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _canvas(image: Image.Image, factor: int, temporal: int, min_tokens: int,
-            max_tokens: int) -> np.ndarray:
-    """Resize the content and zero-pad it onto the aligned canvas: uint8 [3, H, W]."""
+def canvas(image: ImageLike, config: ProcessorConfig = ProcessorConfig()) -> np.ndarray:
+    """Decode, resize the content and zero-pad it onto the aligned canvas: uint8 [H, W, 3]."""
+    image = load_rgb(image)
+    factor, temporal = config.factor, config.temporal_patch_size
     width, height = image.size
     target_h, target_w = smart_resize(height, width, factor=factor, temporal_factor=temporal,
-                                      min_image_tokens=min_tokens, max_image_tokens=max_tokens)
+                                      min_image_tokens=config.min_image_tokens,
+                                      max_image_tokens=config.max_image_tokens)
     scale = min(target_h / height, target_w / width)
-    if temporal * height * width >= temporal * factor ** 2 * min_tokens:
+    if temporal * height * width >= temporal * factor ** 2 * config.min_image_tokens:
         scale = min(1.0, scale)  # only images below the minimum budget are ever enlarged
     content_h = max(1, min(target_h, math.floor(height * scale)))
     content_w = max(1, min(target_w, math.floor(width * scale)))
     if (content_h, content_w) != (height, width):
         image = image.resize((content_w, content_h), resample=Image.BICUBIC)
-    pixels = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
-    return np.pad(pixels, ((0, 0), (0, target_h - content_h), (0, target_w - content_w)))
+    out = np.zeros((target_h, target_w, 3), dtype=np.uint8)
+    out[:content_h, :content_w] = np.asarray(image, dtype=np.uint8)
+    return out
 
 
-def _patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, int, int]:
-    """float32 [C, H, W] -> [gh*gw, C*T*patch*patch] in block-major order."""
-    channels, height, width = image.shape
+def canvas_grid(shape: Sequence[int], config: ProcessorConfig = ProcessorConfig()) -> tuple[int, int, int]:
+    """grid_thw of a canvas of this [H, W, 3] shape: (1, H / patch, W / patch)."""
+    return 1, shape[0] // config.patch_size, shape[1] // config.patch_size
+
+
+@functools.lru_cache(maxsize=8)
+def pixel_table(config: ProcessorConfig = ProcessorConfig()) -> np.ndarray:
+    """float32 [3, 256]: the normalised value of each uint8 value of each channel, computed
+    with the oracle's arithmetic (x 1/255 in float64, cast to float32, then (x - mean) / std in
+    float32). The GPU's patchify reads the same table."""
+    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.array(config.image_mean, dtype=np.float32)[:, None]
+    std = np.array(config.image_std, dtype=np.float32)[:, None]
+    table = (scaled[None, :] - mean) / std
+    table.flags.writeable = False
+    return table
+
+
+def patchify(canvas: np.ndarray, config: ProcessorConfig = ProcessorConfig()) -> np.ndarray:
+    """uint8 canvas [H, W, 3] -> float32 pixel_values [gh*gw, C*T*patch*patch], block-major."""
+    patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
+    height, width, channels = canvas.shape
     gh, gw = height // patch, width // patch
-    blocks = image.reshape(channels, gh // merge, merge, patch, gw // merge, merge, patch)
-    blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
+    values = pixel_table(config)[np.arange(channels), canvas]  # [H, W, C] float32
+    blocks = values.reshape(gh // merge, merge, patch, gw // merge, merge, patch, channels)
+    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, m, m, C, p, p)
     blocks = np.broadcast_to(blocks[:, :, :, :, :, None], blocks.shape[:5] + (temporal, patch, patch))
-    return blocks.reshape(gh * gw, channels * temporal * patch * patch), gh, gw
+    return blocks.reshape(gh * gw, channels * temporal * patch * patch)
 
 
-def preprocess(images: ImageLike | Sequence[ImageLike], *, patch_size: int = 14,
-               temporal_patch_size: int = 2, merge_size: int = 2,
-               min_image_tokens: int = MIN_IMAGE_TOKENS,
-               max_image_tokens: int = MAX_IMAGE_TOKENS) -> tuple[np.ndarray, np.ndarray]:
-    """One image or a list -> (pixel_values float32 [P, 1176], grid_thw int64 [N, 3])."""
+def preprocess(images: ImageLike | Sequence[ImageLike], config: ProcessorConfig | None = None,
+               **settings) -> tuple[np.ndarray, np.ndarray]:
+    """One image or a list -> (pixel_values float32 [P, 1176], grid_thw int64 [N, 3]).
+    `settings` override fields of `config` (default: the processor's defaults)."""
+    config = dataclasses.replace(config or ProcessorConfig(), **settings)
     if isinstance(images, (str, Path, Image.Image, np.ndarray)):
         images = [images]
     if len(images) == 0:
         raise GlmVitError("no images to preprocess")
-    if min_image_tokens < 1 or max_image_tokens < min_image_tokens:
-        raise GlmVitError(f"image token budget [{min_image_tokens}, {max_image_tokens}] is empty")
-    mean = np.array(CLIP_MEAN, dtype=np.float32)[:, None, None]
-    std = np.array(CLIP_STD, dtype=np.float32)[:, None, None]
-    rows, grids = [], []
-    for image in images:
-        canvas = _canvas(load_rgb(image), patch_size * merge_size, temporal_patch_size,
-                         min_image_tokens, max_image_tokens)
-        scaled = (canvas.astype(np.float64) * (1 / 255)).astype(np.float32)
-        patches, gh, gw = _patchify((scaled - mean) / std, patch_size, merge_size, temporal_patch_size)
-        rows.append(patches)
-        grids.append((1, gh, gw))
-    return np.concatenate(rows).astype(np.float32, copy=False), np.array(grids, dtype=np.int64)
+    canvases = [canvas(image, config) for image in images]
+    pixels = np.concatenate([patchify(c, config) for c in canvases])
+    return pixels, np.array([canvas_grid(c.shape, config) for c in canvases], dtype=np.int64)

@@ -91,8 +91,9 @@ def im2col_2x2(x: np.ndarray) -> np.ndarray:
 class NumpyTower:
     """The whole tower in float32 NumPy; `forward` returns (last_hidden_state, pooler_output)."""
 
-    def __init__(self, weights: TowerWeights) -> None:
+    def __init__(self, weights: TowerWeights, p_max: int) -> None:
         self.geo: GlmVitGeometry = weights.location.geometry
+        self.p_max = p_max  # the packing budget of encode (the NumPy forward needs no scratch)
         self.w: GlmVitTensors[np.ndarray] = structure(weights, bf16_to_f32)
         self.inv_freq = rope_inv_freq(self.geo)
 

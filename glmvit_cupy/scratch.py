@@ -77,8 +77,8 @@ def _round(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def scratch_plan(geo: GlmVitGeometry) -> ScratchPlan:
-    p, h, o = geo.p_max, geo.hidden_size, geo.out_hidden_size
+def scratch_plan(geo: GlmVitGeometry, p_max: int) -> ScratchPlan:
+    p, h, o = p_max, geo.hidden_size, geo.out_hidden_size
     m = p // geo.merge_unit
     mlp_rows = min(MLP_CHUNK, p)
     qkv = _round(max(2 * p * 3 * h, 2 * p * geo.patch_dim, 4 * m * o + 2 * m * o,

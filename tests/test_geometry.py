@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVitError, load_geometry
-from glmvit_cupy.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.geometry import REAL, GlmVitGeometry, patch_budget
 from glmvit_cupy.layout import block_major_positions, frame_segments, rope_inv_freq
 from glmvit_cupy.synthetic import vision_config
 
@@ -25,7 +25,7 @@ def test_real_geometry_facts():
     assert geo.patch_dim == 1176  # 3 x 2 x 14^2
     assert geo.tensor_count == 347  # 24 x 14 + 11
     assert geo.parameter_count == 563_627_008
-    assert geo.p_max == 32000  # 8000 merged tokens of 2x2 patches
+    assert patch_budget(geo) == 32000  # 8000 merged tokens of 2x2 patches
 
 
 def test_absent_fields_take_the_released_values_not_transformers_defaults(tmp_path):
@@ -93,10 +93,10 @@ def test_missing_and_corrupt_config(tmp_path):
 
 
 def test_max_pixels_sizes_p_max():
-    geo = GlmVitGeometry(**REAL).with_max_pixels(448 * 448 * 32)
-    assert geo.p_max == 32 * 1024
+    assert patch_budget(GlmVitGeometry(**REAL), 448 * 448 * 32) == 32 * 1024
+    assert patch_budget(GlmVitGeometry(**REAL), 5 * 196 + 195) == 4  # whole merged tokens only
     with pytest.raises(GlmVitError, match="max_pixels 500"):
-        GlmVitGeometry(**REAL).with_max_pixels(500)
+        patch_budget(GlmVitGeometry(**REAL), 500)
 
 
 def test_rope_inv_freq_matches_the_reference_formula():

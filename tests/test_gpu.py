@@ -291,7 +291,7 @@ def test_scratch_is_lazy_sized_and_refuses_too_large_inputs(real_ckpt):
     with pytest.raises(GlmVitError, match=r"exceed this engine's p_max of 1024 .* --max-pixels"):
         vit.forward(big, big_grid)
     default = GlmVit.from_pretrained(real_ckpt, backend="cupy")
-    assert default.geometry.p_max == 32000
+    assert default.p_max == 32000
     assert default.scratch_bytes / 2 ** 20 < 510  # under half transformers' 1019 MiB at 2044x2044
 
 

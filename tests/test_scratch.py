@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glmvit_cupy.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.geometry import REAL, GlmVitGeometry, patch_budget
 from glmvit_cupy.layout import FLASH_BN, MAX_PIECE_GROUPS, MAX_PIECE_ROUNDS, flash_work_list, tail_pieces
 from glmvit_cupy.scratch import CUBLAS_WORKSPACE, scratch_plan
 
@@ -15,7 +15,7 @@ TRANSFORMERS_2044_MIB = 1019  # SPEC.md: what transformers allocates at 2044x204
 
 
 def test_default_budget_census():
-    plan = scratch_plan(GlmVitGeometry(**REAL))
+    plan = scratch_plan(GlmVitGeometry(**REAL), patch_budget(GlmVitGeometry(**REAL)))
     assert plan.p_max == 32000
     assert set(plan.slabs) == {"resid", "normed", "qkv", "rope", "index", "workspace"}  # no MLP slab
     assert plan.slabs["workspace"] == CUBLAS_WORKSPACE
@@ -31,8 +31,7 @@ def test_every_phase_fits_its_slab(patches, geometry):
     if geometry == "small":  # a narrow tower: the merger's shapes outgrow the block's
         geo = GlmVitGeometry(**{**REAL, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
                                 "out_hidden_size": 256, "projection_intermediate_size": 512})
-    geo = geo.with_max_pixels(patches * geo.patch_size ** 2)
-    plan = scratch_plan(geo)
+    plan = scratch_plan(geo, patches)
     p, h, o = plan.p_max, geo.hidden_size, geo.out_hidden_size
     m, slab = p // geo.merge_unit, plan.slabs
     # block phase
@@ -110,7 +109,7 @@ def test_flash_work_list_leaves_batches_and_single_rounds_whole():
 
 @pytest.mark.parametrize("lengths", [[32000], [5476], [2000], [4] * 8000, [1024] * 31 + [256]])
 def test_flash_work_list_fits_the_index_slab(lengths):
-    plan = scratch_plan(GlmVitGeometry(**REAL))
+    plan = scratch_plan(GlmVitGeometry(**REAL), patch_budget(GlmVitGeometry(**REAL)))
     segments = np.stack([np.cumsum([0] + lengths[:-1]), lengths], axis=-1)
     for bm, slots in H200_SLOTS.items():
         assert len(flash_work_list(segments, bm, 16, slots).tiles) <= plan.max_tiles
