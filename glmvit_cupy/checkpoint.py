@@ -265,7 +265,9 @@ def read_tower(location: TowerLocation) -> TowerWeights:
     (preadv releases the GIL; one thread copies from the page cache at ~5 GB/s, not enough
     for a 1.05 GiB tower to be ready within a second)."""
     offsets, total = _arena_layout(location)
-    arena = np.empty(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2, dtype=np.uint16)
+    # Zeroed (calloc: pages are zeroed on first touch, which the reads do anyway), so the
+    # alignment padding between groups is deterministic, not whatever the heap held.
+    arena = np.zeros(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2, dtype=np.uint16)
     as_bytes = memoryview(arena).cast("B")
     fds: dict[Path, int] = {}
 
