@@ -138,8 +138,114 @@ class TowerWeights:
         return self.arena[start:start + a.size + b.size].reshape((a.shape[0] + b.shape[0],) + a.shape[1:])
 
 
-def _read_header(shard: Path) -> tuple[dict, int, int]:
-    """(header dict, absolute offset of the data section, file size) of one shard."""
+# The header rules of the safetensors library (safetensors/src/tensor.rs: `read_metadata`,
+# `Metadata::validate`, `Dtype::bitsize`; serde_json's parser), every one enforced here.
+MAX_HEADER_BYTES = 100_000_000  # its MAX_HEADER_SIZE
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+              "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
+              "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64,
+              "I64": 64, "U64": 64}
+USIZE_LIMIT = 1 << 64  # shapes, offsets and sizes are usize: every product must fit in 64 bits
+JSON_MAX_DEPTH = 128  # serde_json's recursion limit
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor's header entry, validated: its bytes are [begin, end) of the data section."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"key {twice!r} appears twice")
+    return dict(pairs)
+
+
+def _json_int(literal: str) -> int | float:
+    # serde_json reads "-0" (JSON's only signed zero integer) as a float, which no usize field
+    # accepts; Python would make it the int 0.
+    return -0.0 if literal == "-0" else int(literal)
+
+
+def _json_float(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise ValueError(f"number {literal} out of range")
+    return value
+
+
+def _json_constant(literal: str) -> None:
+    raise ValueError(f"{literal} is not JSON")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (an object or array counts one level), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _usize_list(value: Any, length: int | None = None) -> list[int] | None:
+    """`value` as a list of usize (JSON non-negative integers below 2^64), else None."""
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        return None
+    if not all(type(v) is int and 0 <= v < USIZE_LIMIT for v in value):
+        return None
+    return value
+
+
+def _header_entry(shard: Path, name: str, meta: Any) -> HeaderEntry:
+    """One tensor's {dtype, shape, data_offsets}, typed and self-consistent (size vs offsets)."""
+    if not isinstance(meta, dict):
+        raise GlmVitError(f"{shard}: {name}: header entry is a {type(meta).__name__}, expected "
+                          "{dtype, shape, data_offsets}")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in meta]
+    if missing:
+        raise GlmVitError(f"{shard}: {name}: header entry lacks {', '.join(missing)}")
+    dtype, shape, offsets = meta["dtype"], _usize_list(meta["shape"]), _usize_list(meta["data_offsets"], 2)
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise GlmVitError(f"{shard}: {name}: dtype {dtype!r} is not a safetensors dtype")
+    if shape is None:
+        raise GlmVitError(f"{shard}: {name}: shape {meta['shape']!r} is not a list of non-negative "
+                          "64-bit integers")
+    if offsets is None:
+        raise GlmVitError(f"{shard}: {name}: data_offsets {meta['data_offsets']!r} is not [begin, end] "
+                          "of non-negative 64-bit integers")
+    begin, end = offsets
+    if end < begin:
+        raise GlmVitError(f"{shard}: {name}: data_offsets [{begin}, {end}] end before they begin")
+    count = 1
+    for dim in shape:  # checked at every step, as usize::checked_mul is
+        count *= dim
+        if count >= USIZE_LIMIT:
+            raise GlmVitError(f"{shard}: {name}: shape {shape} overflows 64 bits")
+    bits = count * DTYPE_BITS[dtype]
+    if bits >= USIZE_LIMIT:
+        raise GlmVitError(f"{shard}: {name}: shape {shape} of {dtype} overflows 64 bits")
+    if bits % 8:
+        raise GlmVitError(f"{shard}: {name}: {count} {dtype} values ({bits} bits) do not fill whole bytes")
+    if end - begin != bits // 8:
+        raise GlmVitError(f"{shard}: {name}: shape {shape} of {dtype} is {bits // 8} bytes, but "
+                          f"data_offsets [{begin}, {end}] hold {end - begin}")
+    return HeaderEntry(dtype, tuple(shape), begin, end)
+
+
+def _read_header(shard: Path) -> tuple[dict[str, HeaderEntry], int, int]:
+    """(validated tensor entries, absolute offset of the data section, file size) of one shard.
+
+    As strict as the safetensors library: a header it refuses is refused here, by shard and
+    tensor. Beyond it, duplicate keys (which it resolves silently, the last one winning) are
+    refused too."""
     try:
         size = shard.stat().st_size
         with open(shard, "rb") as f:
@@ -147,17 +253,47 @@ def _read_header(shard: Path) -> tuple[dict, int, int]:
             if len(head) < 8:
                 raise GlmVitError(f"{shard}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100 << 20):
+            if n > MAX_HEADER_BYTES:
+                raise GlmVitError(f"{shard}: corrupt safetensors header (claims {n} bytes; the format's "
+                                  f"limit is {MAX_HEADER_BYTES})")
+            if n > size - 8:
                 raise GlmVitError(f"{shard}: corrupt safetensors header (claims {n} bytes in a "
                                   f"{size}-byte file)")
-            header = json.loads(f.read(n))
+            text = f.read(n).decode("utf-8")
+        header = json.loads(text, object_pairs_hook=_json_pairs, parse_int=_json_int,
+                            parse_float=_json_float, parse_constant=_json_constant)
+        # A lone surrogate escape ("\ud800") parses in Python, not in serde_json.
+        json.dumps(header, ensure_ascii=False).encode("utf-8")
     except FileNotFoundError:
         raise GlmVitError(f"{shard}: shard listed in the checkpoint is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise GlmVitError(f"{shard}: cannot read safetensors header: {exc}") from None
+    except (OSError, UnicodeError, ValueError, RecursionError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else exc
+        raise GlmVitError(f"{shard}: cannot read safetensors header: {reason}") from None
     if not isinstance(header, dict):
         raise GlmVitError(f"{shard}: corrupt safetensors header (not a JSON object)")
-    return header, 8 + n, size
+    if _depth(header) > JSON_MAX_DEPTH:
+        raise GlmVitError(f"{shard}: corrupt safetensors header (nested deeper than {JSON_MAX_DEPTH} levels)")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(v, str) for v in metadata.values())):
+        raise GlmVitError(f"{shard}: corrupt safetensors header (__metadata__ must map strings to strings)")
+    entries = {name: _header_entry(shard, name, meta) for name, meta in header.items()}
+    # The data section is the tensors back to back in offset order: from byte 0, no gap, no
+    # overlap, and nothing after the last one.
+    covered, last = 0, None
+    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if e.begin < covered:
+            raise GlmVitError(f"{shard}: {name}: bytes [{e.begin}, {e.end}) overlap {last}'s, which end at "
+                              f"{covered}")
+        if e.begin > covered:
+            raise GlmVitError(f"{shard}: {name}: bytes [{e.begin}, {e.end}) leave [{covered}, {e.begin}) "
+                              f"of the data section to no tensor")
+        covered, last = e.end, name
+    if 8 + n + covered != size:
+        raise GlmVitError(f"{shard}: the tensors cover {covered} bytes of data but the file holds "
+                          f"{size - 8 - n} after its header: the shard is "
+                          f"{'truncated' if 8 + n + covered > size else 'followed by stray bytes'}")
+    return entries, 8 + n, size
 
 
 def _tensor_names(directory: Path) -> dict[str, Path]:
@@ -172,7 +308,7 @@ def _tensor_names(directory: Path) -> dict[str, Path]:
     single = directory / SINGLE_FILE
     if single.is_file():
         header, _, _ = _read_header(single)
-        return {name: single for name in header if name != "__metadata__"}
+        return {name: single for name in header}
     raise GlmVitError(f"{directory}: no safetensors checkpoint (expected {INDEX_FILE} or {SINGLE_FILE})")
 
 
@@ -214,36 +350,32 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
     expected = tower_shapes(geo)
     _census(names, prefix, expected, directory)
 
-    headers: dict[Path, tuple[dict, int, int]] = {}
+    headers: dict[Path, tuple[dict[str, HeaderEntry], int, int]] = {}
     entries: dict[str, TensorEntry] = {}
     for short, want in expected.items():
         name = f"{prefix}.{short}"
         shard = names[name]
         if shard not in headers:
             headers[shard] = _read_header(shard)
-        header, data_start, size = headers[shard]
+        header, data_start, _ = headers[shard]
         meta = header.get(name)
-        if not isinstance(meta, dict):
+        if meta is None:
             raise GlmVitError(f"{shard}: the index places {name} in this shard, but its header lacks it")
-        dtype, shape = meta.get("dtype"), list(meta.get("shape", []))
-        if dtype != "BF16":
+        if meta.dtype != "BF16":
             raise GlmVitError(
-                f"{shard}: {name} is {dtype}, expected BF16: the GLM-5.3 tower is BF16 throughout "
+                f"{shard}: {name} is {meta.dtype}, expected BF16: the GLM-5.3 tower is BF16 throughout "
                 "(347/347 tensors in the released exports); a quantised tower needs a dequant path, "
                 "not a reinterpretation of its bytes")
+        shape = list(meta.shape)
         rows = shape[0] if shape else 0
         cols = math.prod(shape[1:])
         if (len(want) == 1 and shape != list(want)) or (len(want) == 2 and (rows, cols) != want):
             raise GlmVitError(
                 f"{shard}: {name} has shape {shape}, which flattens to [{rows}, {cols}]; config.json's "
                 f"geometry expects {list(want)}")
-        begin, end = meta.get("data_offsets", (0, -1))
-        nbytes = 2 * math.prod(want)
-        if end - begin != nbytes or data_start + end > size:
-            raise GlmVitError(
-                f"{shard}: {name} occupies bytes [{begin}, {end}) of a data section of "
-                f"{size - data_start} bytes, but needs {nbytes}: the shard is truncated or corrupt")
-        entries[short] = TensorEntry(shard, data_start + begin, nbytes, want)
+        # The header's offsets agree with its shape and lie inside the file (_read_header).
+        nbytes = meta.end - meta.begin
+        entries[short] = TensorEntry(shard, data_start + meta.begin, nbytes, want)
     return TowerLocation(geo, prefix, entries)
 
 
