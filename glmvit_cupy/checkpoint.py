@@ -392,10 +392,31 @@ def _arena_layout(location: TowerLocation) -> tuple[dict[str, int], int]:
     return offsets, cursor
 
 
+BF16_EXPONENT = 0x7F80  # all ones: Inf (mantissa zero) or NaN
+_SCAN_CHUNK = 1 << 18  # values per step of the finiteness scan (its temporaries stay in cache)
+
+
+def nonfinite_values(bits: np.ndarray) -> tuple[int, int]:
+    """(count, flat index of the first) of the NaN / Inf patterns among raw BF16 bits (-1: none)."""
+    count, first = 0, -1
+    flat = bits.reshape(-1)
+    for start in range(0, flat.size, _SCAN_CHUNK):
+        bad = (flat[start:start + _SCAN_CHUNK] & BF16_EXPONENT) == BF16_EXPONENT
+        n = int(np.count_nonzero(bad))
+        if n and first < 0:
+            first = start + int(np.argmax(bad))
+        count += n
+    return count, first
+
+
 def read_tower(location: TowerLocation) -> TowerWeights:
     """pread exactly the tower's byte ranges into one uint16 arena, several tensors at a time
     (preadv releases the GIL; one thread copies from the page cache at ~5 GB/s, not enough
-    for a 1.05 GiB tower to be ready within a second)."""
+    for a 1.05 GiB tower to be ready within a second).
+
+    Each tensor is scanned for NaN / Inf as it lands (one NaN weight makes every embedding
+    NaN) and the tower is refused by tensor name if any has one. Both backends start from this
+    arena (the GPU engine uploads it as is), so this one host check covers both."""
     offsets, total = _arena_layout(location)
     # Zeroed (calloc: pages are zeroed on first touch, which the reads do anyway), so the
     # alignment padding between groups is deterministic, not whatever the heap held.
@@ -403,7 +424,7 @@ def read_tower(location: TowerLocation) -> TowerWeights:
     as_bytes = memoryview(arena).cast("B")
     fds: dict[Path, int] = {}
 
-    def read(name: str) -> int:
+    def read(name: str) -> tuple[int, tuple[int, int]]:
         entry = location.entries[name]
         dst = as_bytes[offsets[name] * 2: offsets[name] * 2 + entry.nbytes]
         done = 0
@@ -416,7 +437,7 @@ def read_tower(location: TowerLocation) -> TowerWeights:
                 raise GlmVitError(f"{entry.shard}: {location.prefix}.{name} ends early (shard truncated "
                                   f"after {entry.offset + done} bytes)")
             done += n
-        return done
+        return done, nonfinite_values(np.frombuffer(dst, dtype=np.uint16))
 
     try:
         for shard in location.shards:
@@ -427,11 +448,20 @@ def read_tower(location: TowerLocation) -> TowerWeights:
         # Largest first, so the pool's last task is a small one.
         names = sorted(location.entries, key=lambda n: -location.entries[n].nbytes)
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            bytes_read = sum(pool.map(read, names))
+            results = dict(zip(names, pool.map(read, names)))
     finally:
         for fd in fds.values():
             os.close(fd)
-    return TowerWeights(location, arena, offsets, bytes_read)
+    bad = [(name, results[name][1]) for name in location.entries if results[name][1][0]]
+    if bad:
+        (name, (count, first)), rest = bad[0], [n for n, _ in bad[1:]]
+        more = (f"; so do {len(rest)} more tensor(s): {', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''}"
+                if rest else "")
+        raise GlmVitError(
+            f"{location.entries[name].shard}: {location.prefix}.{name} holds {count} NaN/Inf value(s) "
+            f"(the first at flat index {first}){more}: a tower with a non-finite weight makes every "
+            "embedding NaN, so it is refused")
+    return TowerWeights(location, arena, offsets, sum(n for n, _ in results.values()))
 
 
 def bind_checkpoint(model_dir: str | Path) -> TowerWeights:

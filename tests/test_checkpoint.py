@@ -187,3 +187,26 @@ def test_same_seed_same_bytes_and_realistic_values(tmp_path):
     assert abs(w.std() - 0.02) < 0.002 and abs(bias.std() - 0.02) < 0.005
     assert abs(norm.mean() - 1) < 0.05 and 0.05 < norm.std() < 0.15
     assert os.path.getsize(next((tmp_path / "a").glob("model-00003*"))) > 0
+
+
+@pytest.mark.parametrize("pattern", [0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0x7F81, 0xFFFF])
+def test_a_non_finite_weight_is_refused_by_tensor_name(tmp_path, pattern):
+    """One NaN or Inf (any sign, any payload) anywhere in the tower, and the bind says where;
+    BF16 0x7F7F (the largest finite value) is not refused."""
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=12)
+    loc = locate_tower(ckpt)
+
+    def poke(name: str, index: int, bits: int) -> None:
+        entry = loc.entries[name]
+        with open(entry.shard, "r+b") as f:
+            f.seek(entry.offset + 2 * index)
+            f.write(struct.pack("<H", bits))
+
+    poke("merger.down_proj.weight", 7, 0x7F7F)
+    assert bind_checkpoint(ckpt).raw("merger.down_proj.weight").reshape(-1)[7] == 0x7F7F
+    poke("blocks.1.mlp.down_proj.weight", 12345, pattern)
+    poke("patch_embed.proj.weight", 999, pattern)
+    with pytest.raises(GlmVitError, match=r"model-00002-of-00003.safetensors: model\.visual\.blocks\.1\.mlp\.down_proj"
+                                          r"\.weight holds 1 NaN/Inf value\(s\) \(the first at flat index 12345\); "
+                                          r"so do 1 more tensor\(s\): patch_embed\.proj\.weight"):
+        bind_checkpoint(ckpt)

@@ -10,6 +10,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 from safetensors import deserialize
@@ -17,6 +18,7 @@ from safetensors import deserialize
 from glmvit_cupy import GlmVitError
 from glmvit_cupy.checkpoint import DTYPE_BITS, MAX_HEADER_BYTES, bind_checkpoint, tower_shapes
 from glmvit_cupy.geometry import GlmVitGeometry
+from glmvit_cupy.reference import bf16_to_f32
 from glmvit_cupy.synthetic import write_checkpoint
 
 # A one-block tower of 90 KB, so that a fuzzed example costs milliseconds.
@@ -242,11 +244,13 @@ def flattened(shape: list) -> list:
 
 
 def tower_as_expected(tensors: dict) -> bool:
-    """The tower part of a header the library accepted is what config.json asks for."""
+    """The tower part of a header the library accepted is what config.json asks for, and its
+    values are finite (a shifted data section reads other bytes, NaN patterns among them)."""
     names = {n for n in tensors if n.startswith(PREFIX)}
     return names == FLAT.keys() and all(
         tensors[n]["dtype"] == "BF16" and (flattened(tensors[n]["shape"]) == FLAT[n]
                                            if len(FLAT[n]) == 2 else tensors[n]["shape"] == FLAT[n])
+        and np.isfinite(bf16_to_f32(np.frombuffer(tensors[n]["data"], np.uint16))).all()
         for n in names)
 
 
