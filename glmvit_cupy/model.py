@@ -12,7 +12,10 @@ probed, so the package and the whole CPU path work without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,7 +26,7 @@ from .checkpoint import TowerWeights, bind_checkpoint
 from .errors import GlmVitError
 from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry, patch_budget
 from .layout import check_grid, merged_offsets, num_patches
-from .preprocess import ImageLike, preprocess
+from .preprocess import ImageLike, image_list, preprocess
 
 BACKENDS = ("auto", "numpy", "cupy")
 
@@ -78,14 +81,46 @@ def _choose_backend(backend: str) -> tuple[str, str]:
     return "cupy", ""
 
 
+def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -> None:
+    """A wrong argument type in the Python API is a user mistake: one line, not a traceback."""
+    if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+        raise GlmVitError(f"{name} is a {type(value).__name__}, expected {expected}")
+
+
+def _check_options(max_pixels: Any, attention: Any, device: Any) -> None:
+    for name, value in (("max_pixels", max_pixels), ("device", device)):
+        _check_type(name, value, (int, type(None)), "an int or None")
+    _check_type("attention", attention, (str, type(None)), "'flash', 'naive' or None")
+
+
+def _refuse_nonfinite(out: GlmVitOutput, labels: Sequence[str]) -> None:
+    """Raise, naming the image, if any output value is NaN or Inf (the weights were checked at
+    load, so the cause is the input or an activation beyond float32's range)."""
+    if bool(np.isfinite(out.last_hidden_state).all() & np.isfinite(out.pooler_output).all()):
+        return
+    rows = np.isfinite(out.last_hidden_state).all(axis=1) & np.isfinite(out.pooler_output).all(axis=1)
+    rows = rows.get() if hasattr(rows, "get") else rows  # CuPy -> host
+    bad = [i for i in range(len(out.grid_thw)) if not rows[out.offsets[i]:out.offsets[i + 1]].all()]
+    t, h, w = out.grid_thw[bad[0]].tolist()
+    more = f" (so does the output of {len(bad) - 1} more image(s))" if len(bad) > 1 else ""
+    raise GlmVitError(f"{labels[bad[0]]} (grid_thw {t}x{h}x{w}): its embedding holds NaN/Inf{more}; the "
+                      "weights are finite (checked at load), so non-finite pixel values or an activation "
+                      "beyond float32's range made it")
+
+
 class GlmVit:
-    """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend."""
+    """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend.
+
+    One GlmVit may be shared by threads (a web service): on the GPU, calls take turns (the
+    engine's scratch, CUDA graphs and uploaded tables are per engine); the NumPy backend keeps
+    no state between calls, so its calls run concurrently."""
 
     def __init__(self, tower: Any, backend: str, backend_note: str) -> None:
         self.tower = tower
         self.backend = backend
         self.backend_note = backend_note  # why this backend (for the CLI's one-line notice)
         self.geometry: GlmVitGeometry = tower.geo
+        self._turns = threading.Lock() if backend == "cupy" else contextlib.nullcontext()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
@@ -94,6 +129,8 @@ class GlmVit:
         images together) and sizes the GPU scratch; `attention` ("flash" or "naive", the
         materialised-score cross-check; default: the engine's choice for the head_dim) and
         `device` (a CUDA device index; default: the current one) apply to the GPU engine."""
+        _check_type("path", path, (str, os.PathLike), "a checkpoint directory (str or Path)")
+        _check_options(max_pixels, attention, device)  # before the tower is read
         backend, note = _choose_backend(backend)
         if backend == "numpy":
             return cls.from_weights(bind_checkpoint(path), "numpy", max_pixels, note=note)
@@ -109,6 +146,8 @@ class GlmVit:
                      note: str = "") -> GlmVit:
         """An engine over weights already bound (`checkpoint.bind_checkpoint`): several engines,
         with their own budgets and devices, can share one read of the tower."""
+        _check_type("weights", weights, (TowerWeights,), "TowerWeights (checkpoint.bind_checkpoint)")
+        _check_options(max_pixels, attention, device)
         backend, auto_note = _choose_backend(backend)
         p_max = patch_budget(weights.location.geometry, max_pixels)
         if backend == "numpy":
@@ -129,35 +168,59 @@ class GlmVit:
         return getattr(self.tower, "scratch_bytes", 0)
 
     def forward(self, pixel_values: Any, grid_thw: Any) -> GlmVitOutput:
-        """pixel_values [P, patch_dim] (NumPy or, on the GPU, CuPy) and grid_thw [N, 3]."""
+        """pixel_values float [P, patch_dim] (NumPy or, on the GPU, CuPy) and grid_thw int [N, 3].
+        An output holding NaN or Inf is refused (GlmVitError naming the image), never returned."""
+        out = self._forward(pixel_values, grid_thw)
+        _refuse_nonfinite(out, [f"image {i} of this forward call" for i in range(len(out.grid_thw))])
+        return out
+
+    def _forward(self, pixel_values: Any, grid_thw: Any) -> GlmVitOutput:
         geo = self.geometry
-        grid = check_grid(np.asarray(grid_thw), geo)
+        arrays: tuple[type, ...] = (np.ndarray,)
+        if self.backend == "cupy":
+            import cupy
+            arrays += (cupy.ndarray,)
+        _check_type("pixel_values", pixel_values, arrays,
+                    f"a {'NumPy or CuPy' if len(arrays) > 1 else 'NumPy'} float array [patches, "
+                    f"{geo.patch_dim}] (glmvit_cupy.preprocess makes one)")
+        if pixel_values.dtype.kind != "f":
+            raise GlmVitError(f"pixel_values has dtype {pixel_values.dtype}, expected float32 "
+                              "(normalised patches, as glmvit_cupy.preprocess makes them)")
+        try:
+            grid = np.asarray(grid_thw)
+        except (TypeError, ValueError) as exc:
+            raise GlmVitError(f"grid_thw is not an integer array [images, 3]: {exc}") from None
+        grid = check_grid(grid, geo)
         patches = num_patches(grid)
         if tuple(pixel_values.shape) != (patches, geo.patch_dim):
             raise GlmVitError(f"pixel_values has shape {list(pixel_values.shape)}; grid_thw needs "
                               f"[{patches}, {geo.patch_dim}]")
-        last_hidden, pooler = self.tower.forward(pixel_values, grid)
+        with self._turns:
+            last_hidden, pooler = self.tower.forward(pixel_values, grid)
         return GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
 
     def encode(self, images: ImageLike | Sequence[ImageLike],
                min_image_tokens: int = MIN_IMAGE_TOKENS,
                max_image_tokens: int = MAX_IMAGE_TOKENS) -> list[GlmVitOutput]:
         """Preprocess and encode images; one GlmVitOutput per image, in order. Images are packed
-        into forward calls of at most p_max patches each."""
-        if isinstance(images, (str, Path, np.ndarray)) or not isinstance(images, Sequence):
-            images = [images]
+        into forward calls of at most p_max patches each. An output holding NaN or Inf is refused
+        (GlmVitError naming the image's file or its index), never returned."""
+        images = image_list(images)
         geo = self.geometry
         prepared = [preprocess(img, patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
                                merge_size=geo.spatial_merge_size, min_image_tokens=min_image_tokens,
                                max_image_tokens=max_image_tokens) for img in images]
+        labels = [str(img) if isinstance(img, (str, Path)) else f"image {i}" for i, img in enumerate(images)]
         results: list[GlmVitOutput] = []
-        batch: list[tuple[np.ndarray, np.ndarray]] = []
-        for item in prepared + [None]:
-            full = batch and item is not None and sum(len(p) for p, _ in batch) + len(item[0]) > self.p_max
-            if batch and (item is None or full):
-                out = self.forward(np.concatenate([p for p, _ in batch]), np.concatenate([g for _, g in batch]))
+        batch: list[int] = []  # indices into prepared
+        for i in range(len(prepared) + 1):
+            full = batch and i < len(prepared) and sum(len(prepared[j][0]) for j in batch + [i]) > self.p_max
+            if batch and (i == len(prepared) or full):
+                out = self._forward(np.concatenate([prepared[j][0] for j in batch]),
+                                    np.concatenate([prepared[j][1] for j in batch]))
+                _refuse_nonfinite(out, [labels[j] for j in batch])
                 results.extend(out.split())
                 batch = []
-            if item is not None:
-                batch.append(item)
+            if i < len(prepared):
+                batch.append(i)
         return results

@@ -16,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
+import threading
+import warnings
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -44,6 +47,10 @@ class ProcessorConfig:
     image_std: tuple[float, float, float] = CLIP_STD
 
     def __post_init__(self) -> None:
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_image_tokens", "max_image_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise GlmVitError(f"{name} is {value!r} (a {type(value).__name__}), expected an int")
         if self.min_image_tokens < 1 or self.max_image_tokens < self.min_image_tokens:
             raise GlmVitError(f"image token budget [{self.min_image_tokens}, {self.max_image_tokens}] is empty")
 
@@ -98,9 +105,16 @@ def load_rgb(image: ImageLike) -> Image.Image:
     if isinstance(image, (str, Path)):
         path = Path(image)
         try:
-            with Image.open(path) as opened:
+            with _open_guarded(path) as opened:
                 opened.load()  # decode now, so a truncated file fails here, by name
                 return _to_rgb(opened)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            found = re.search(r"\((\d+) pixels\)", str(exc))
+            size = f"{int(found.group(1)):,} pixels" if found else str(exc)
+            raise GlmVitError(
+                f"{path}: {size}, over PIL's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS:,} "
+                "(PIL.Image.MAX_IMAGE_PIXELS): downscale the image, or for a file you trust raise "
+                "that limit (None lifts it)") from None
         except FileNotFoundError:
             raise GlmVitError(f"{path}: no such image file") from None
         except UnidentifiedImageError:
@@ -111,6 +125,19 @@ def load_rgb(image: ImageLike) -> Image.Image:
         return _to_rgb(image)
     raise GlmVitError(f"cannot encode a {type(image).__name__}: pass a path, a PIL image or an "
                       "HxWx3 uint8 array")
+
+
+_WARNING_FILTERS = threading.Lock()
+
+
+def _open_guarded(path: Path) -> Image.Image:
+    """Image.open with PIL's decompression-bomb warning (an image over MAX_IMAGE_PIXELS, which
+    PIL would decode anyway) raised as an error; over twice that PIL raises by itself. Opening
+    reads only the header. The lock: warnings.catch_warnings swaps process-wide state, so
+    two loader threads must not interleave it."""
+    with _WARNING_FILTERS, warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        return Image.open(path)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -172,13 +199,20 @@ def patchify(canvas: np.ndarray, config: ProcessorConfig = ProcessorConfig()) ->
     return blocks.reshape(gh * gw, channels * temporal * patch * patch)
 
 
+def image_list(images: ImageLike | Sequence[ImageLike]) -> list:
+    """One image or a sequence of them, as a list (anything else is one item, which load_rgb
+    then refuses by type)."""
+    if isinstance(images, (str, Path, np.ndarray, bytes, bytearray)) or not isinstance(images, Sequence):
+        return [images]
+    return list(images)
+
+
 def preprocess(images: ImageLike | Sequence[ImageLike], config: ProcessorConfig | None = None,
                **settings) -> tuple[np.ndarray, np.ndarray]:
     """One image or a list -> (pixel_values float32 [P, 1176], grid_thw int64 [N, 3]).
     `settings` override fields of `config` (default: the processor's defaults)."""
     config = dataclasses.replace(config or ProcessorConfig(), **settings)
-    if isinstance(images, (str, Path, Image.Image, np.ndarray)):
-        images = [images]
+    images = image_list(images)
     if len(images) == 0:
         raise GlmVitError("no images to preprocess")
     canvases = [canvas(image, config) for image in images]

@@ -64,3 +64,18 @@ def run_transformers(model, pixel_values: np.ndarray, grid_thw: np.ndarray) -> t
         out = model(torch.from_numpy(pixel_values).to(param.device, param.dtype),
                     torch.from_numpy(np.asarray(grid_thw)).to(param.device))
     return (out.last_hidden_state.float().cpu().numpy(), out.pooler_output.float().cpu().numpy())
+
+
+def bomb_png(path: Path, width: int, height: int) -> Path:
+    """A valid PNG header declaring width x height 1-bit pixels (a decompression bomb as PIL
+    sees it when it opens the file); the image data is a stub, never reached."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1 bit, greyscale
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path

@@ -139,3 +139,12 @@ def test_help_explains_each_command():
     for command in ("encode", "info", "make-checkpoint"):
         proc = run(command, "--help")
         assert proc.returncode == 0 and "Usage:" in proc.stdout
+
+
+def test_a_decompression_bomb_is_one_line(tmp_path, tiny_ckpt):
+    from helpers import bomb_png
+
+    bomb = bomb_png(tmp_path / "bomb.png", 30000, 30000)
+    proc = run("encode", str(bomb), "--model", str(tiny_ckpt), "--out", str(tmp_path / "o.npy"), "--backend", "numpy")
+    assert_clean_failure(proc, "bomb.png", "900,000,000 pixels", "MAX_IMAGE_PIXELS")
+    assert not list(tmp_path.glob("*.npy")) and not list(tmp_path.glob(".o.*"))

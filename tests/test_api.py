@@ -1,0 +1,160 @@
+"""The Python API under bad input: wrong argument types, decompression bombs, outputs that are
+not finite, and one GlmVit shared by threads. Each refusal is one GlmVitError line."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy import GlmVit, GlmVitError, preprocess
+from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
+from glmvit_cupy.preprocess import load_rgb
+from glmvit_cupy.synthetic import write_checkpoint
+from helpers import bomb_png, photo_like
+
+
+@pytest.fixture(scope="module")
+def vit(tiny_ckpt) -> GlmVit:
+    return GlmVit.from_pretrained(tiny_ckpt, backend="numpy")
+
+
+def one_line(info: pytest.ExceptionInfo) -> str:
+    text = str(info.value)
+    assert text and "\n" not in text
+    return text
+
+
+PIXELS = np.zeros((4, 1176), np.float32)
+WRONG_CALLS = {
+    # call: message regex
+    "encode(5)": (lambda v: v.encode(5), r"cannot encode a int"),
+    "encode(None)": (lambda v: v.encode(None), r"cannot encode a NoneType"),
+    "encode(b'...')": (lambda v: v.encode(b"\x89PNG"), r"cannot encode a bytes"),
+    "encode([image, 3.5])": (lambda v: v.encode([photo_like(28, 28), 3.5]), r"cannot encode a float"),
+    "encode(float image)": (lambda v: v.encode(photo_like(28, 28).astype(np.float32)), r"dtype float32, expected HxWx3 uint8"),
+    "encode(min_image_tokens='16')": (lambda v: v.encode(photo_like(28, 28), min_image_tokens="16"),
+                                      r"min_image_tokens is '16' \(a str\), expected an int"),
+    "encode(max_image_tokens=1e4)": (lambda v: v.encode(photo_like(28, 28), max_image_tokens=1e4),
+                                     r"max_image_tokens is 10000\.0 \(a float\)"),
+    "forward(list, grid)": (lambda v: v.forward(PIXELS.tolist(), [[1, 2, 2]]), r"pixel_values is a list, expected a NumPy float array"),
+    "forward(None, grid)": (lambda v: v.forward(None, [[1, 2, 2]]), r"pixel_values is a NoneType"),
+    "forward(uint8 pixels)": (lambda v: v.forward(PIXELS.astype(np.uint8), [[1, 2, 2]]), r"pixel_values has dtype uint8, expected float32"),
+    "forward(object pixels)": (lambda v: v.forward(PIXELS.astype(object), [[1, 2, 2]]), r"dtype object"),
+    "forward(pixels, ragged grid)": (lambda v: v.forward(PIXELS, [[1, 2, 2], [1]]), r"grid_thw is not an integer array"),
+    "forward(pixels, float grid)": (lambda v: v.forward(PIXELS, [[1.0, 2.0, 2.0]]), r"grid_thw has dtype float64"),
+    "forward(pixels, None)": (lambda v: v.forward(PIXELS, None), r"grid_thw has shape \[\]"),
+    "preprocess(5)": (lambda v: preprocess(5), r"cannot encode a int"),
+    "preprocess(patch_size='14')": (lambda v: preprocess(photo_like(28, 28), patch_size="14"), r"patch_size is '14'"),
+    "from_pretrained(5)": (lambda v: GlmVit.from_pretrained(5), r"path is a int, expected a checkpoint directory"),
+    "from_pretrained(max_pixels='1e6')": (lambda v: GlmVit.from_pretrained("x", max_pixels="1e6"), r"max_pixels is a str"),
+    "from_pretrained(max_pixels=1e6)": (lambda v: GlmVit.from_pretrained("x", max_pixels=1e6), r"max_pixels is a float"),
+    "from_pretrained(device='0')": (lambda v: GlmVit.from_pretrained("x", device="0"), r"device is a str"),
+    "from_pretrained(attention=1)": (lambda v: GlmVit.from_pretrained("x", attention=1), r"attention is a int"),
+    "from_weights(path)": (lambda v: GlmVit.from_weights("ckpt/", "numpy"), r"weights is a str, expected TowerWeights"),
+}
+
+
+@pytest.mark.parametrize("call", list(WRONG_CALLS))
+def test_a_wrong_argument_type_is_one_line(vit, call):
+    run, message = WRONG_CALLS[call]
+    with pytest.raises(GlmVitError, match=message) as info:
+        run(vit)
+    one_line(info)
+
+
+def test_a_decompression_bomb_is_refused_by_name(tmp_path, monkeypatch):
+    """Over twice PIL's MAX_IMAGE_PIXELS PIL raises; over it, PIL only warns and would decode
+    ~1 GB: both are one line naming the file, its pixel count and the limit to change."""
+    bomb = bomb_png(tmp_path / "bomb.png", 30000, 30000)  # 900 M pixels in 100 bytes
+    with pytest.raises(GlmVitError, match=r"bomb\.png: 900,000,000 pixels, over PIL's decompression-bomb "
+                                          r"limit of 89,478,485 \(PIL\.Image\.MAX_IMAGE_PIXELS\)") as info:
+        load_rgb(bomb)
+    one_line(info)
+    big = bomb_png(tmp_path / "big.png", 10000, 10000)  # between the limit and twice it: PIL's warning
+    with pytest.raises(GlmVitError, match=r"big\.png: 100,000,000 pixels"):
+        load_rgb(big)
+    # The limit is PIL's own: lowering it refuses a real photo; lifting it (None) lets it through.
+    photo = tmp_path / "photo.png"
+    Image.fromarray(photo_like(60, 50)).save(photo)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
+    with pytest.raises(GlmVitError, match=r"photo\.png: 3,000 pixels, over PIL's decompression-bomb limit of 2,000"):
+        load_rgb(photo)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert load_rgb(photo).size == (50, 60)
+
+
+def test_a_non_finite_forward_output_is_refused_naming_the_image(vit):
+    """Non-finite pixel values in the second image of a call: refused, naming that image."""
+    pixels, grid = preprocess([photo_like(56, 56, 1), photo_like(56, 84, 2), photo_like(28, 28, 3)])
+    assert grid[1].tolist() == [1, 8, 10]
+    assert np.isfinite(vit.forward(pixels, grid).pooler_output).all()
+    bad = pixels.copy()
+    bad[int(grid[0].prod()) + 5, 100] = np.nan  # a patch of image 1
+    with pytest.raises(GlmVitError, match=r"image 1 of this forward call \(grid_thw 1x8x10\): its embedding "
+                                          r"holds NaN/Inf;") as info, np.errstate(invalid="ignore"):
+        vit.forward(bad, grid)
+    one_line(info)
+    bad[-1, 0] = np.inf
+    with pytest.raises(GlmVitError, match=r"image 1 .* \(so does the output of 1 more image\(s\)\)"), \
+            np.errstate(invalid="ignore"):
+        vit.forward(bad, grid)
+
+
+def test_encode_names_the_file_whose_embedding_overflows(tmp_path):
+    """Finite weights, but one so large (BF16's largest) that a white image overflows float32 in
+    the patch embedding while a mid-grey one (normalised to ~0 there) does not: encode refuses,
+    naming the white image's file."""
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, layout="vision-only")
+    entry = locate_tower(ckpt).entries["patch_embed.proj.weight"]
+    with open(entry.shard, "r+b") as f:
+        f.seek(entry.offset)  # [0, 0]: hidden channel 0 x the red value of each patch's first pixel
+        f.write(np.uint16(0x7F7F).tobytes())
+    grey, white = tmp_path / "grey.png", tmp_path / "white.png"
+    Image.new("RGB", (56, 56), (123, 117, 104)).save(grey)  # ~ the CLIP mean
+    Image.new("RGB", (56, 84), "white").save(white)
+    vit = GlmVit.from_weights(bind_checkpoint(ckpt), "numpy")
+    assert np.isfinite(vit.encode(grey)[0].pooler_output).all()
+    with pytest.raises(GlmVitError, match=r"white\.png \(grid_thw 1x10x8\): its embedding holds NaN/Inf") as info, \
+            np.errstate(over="ignore", invalid="ignore"):
+        vit.encode([grey, white, grey])
+    one_line(info)
+
+
+def threads_get_their_own_results(vit: GlmVit) -> None:
+    """8 threads, each encoding its own mix of sizes through one GlmVit (twice over), every
+    result bit-equal to a single-threaded run of the same images."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def pooled(images) -> list[np.ndarray]:
+        return [np.asarray(r.pooler_output.get() if hasattr(r.pooler_output, "get") else r.pooler_output)
+                for r in vit.encode(images)]
+
+    sizes = [(28, 28), (56, 84), (112, 56), (70, 140), (28, 224), (98, 98), (140, 42), (56, 56)]
+    jobs = [[photo_like(*sizes[(t + k) % len(sizes)], seed=10 * t + k) for k in range(1 + t % 3)]
+            for t in range(8)]
+    expected = [pooled(images) for images in jobs]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, so that races show
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = list(pool.map(pooled, jobs + jobs))
+    finally:
+        sys.setswitchinterval(interval)
+    for t, results in enumerate(got):
+        want = expected[t % 8]
+        assert len(results) == len(want)
+        assert all(np.array_equal(a, b) for a, b in zip(results, want)), f"thread {t} got another's result"
+
+
+def test_threads_sharing_one_glmvit_get_their_own_results(vit):
+    """The NumPy backend keeps nothing between calls, so its calls run concurrently. (Keeping
+    per-call state on the tower, e.g. the RoPE tables, fails this test with shape errors.)"""
+    threads_get_their_own_results(vit)
+
+
+@pytest.mark.gpu
+def test_threads_sharing_one_gpu_glmvit_take_turns(tiny_ckpt):
+    threads_get_their_own_results(GlmVit.from_pretrained(tiny_ckpt, backend="cupy"))
