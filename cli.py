@@ -12,11 +12,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, IO
+from typing import Callable
 
 import click
 import numpy as np
 
+from glmvit_cupy.atomic import write_atomic
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 
@@ -55,21 +56,6 @@ def check_writable(path: Path) -> None:
         raise GlmVitError(f"{path}: cannot write there: {exc.strerror}") from None
     os.close(fd)
     os.unlink(probe)
-
-
-def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write through a temporary file in the same directory, fsync, then rename over `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def to_numpy(array) -> np.ndarray:

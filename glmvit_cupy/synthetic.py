@@ -21,6 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .atomic import atomic_directory
 from .checkpoint import INDEX_FILE, SINGLE_FILE, tower_shapes
 from .errors import GlmVitError
 from .geometry import REAL, GlmVitGeometry
@@ -103,9 +104,16 @@ def _decoys(geo: GlmVitGeometry, decoy_bytes: int) -> list[tuple[str, str, list[
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data: Iterator[bytes]) -> int:
     """Write one safetensors file: header of (name, dtype, shape) in order, then each tensor's
-    bytes as `data` yields them. Written to a temporary name, then renamed. Returns its size."""
+    bytes as `data` yields them, then fsync. Written in place (write_checkpoint makes the
+    checkpoint atomic as a whole); an OSError (a full disk) propagates. Returns its size."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, dtype, shape in specs:
@@ -114,29 +122,37 @@ def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data:
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        _write_all(fd, struct.pack("<Q", len(blob)) + blob)
         for (name, dtype, shape), chunk in zip(specs, data):
             assert len(chunk) == header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
-            f.write(chunk)
-    os.replace(tmp, path)
+            _write_all(fd, chunk)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return 8 + len(blob) + offset
 
 
 def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real", seed: int = 0,
                      layout: str = "full", decoy_bytes: int | None = None) -> Path:
-    """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`."""
+    """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`: all of it
+    or, on any failure (a full disk), nothing (it is filled under a temporary name beside)."""
     geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
-    prefix, model_type, sharded, with_decoys = LAYOUTS[layout]
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GlmVitError(f"{out}: exists and is not an empty directory; refusing to write a checkpoint there")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise GlmVitError(f"{out}: cannot create directory: {exc.strerror}") from None
+        raise GlmVitError(f"{out}: cannot create directory {out.parent}: {exc.strerror}") from None
+    with atomic_directory(out) as tmp:
+        _fill_checkpoint(tmp, geo, seed, layout, decoy_bytes)
+    return out
+
+
+def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, decoy_bytes: int | None) -> None:
+    prefix, model_type, sharded, with_decoys = LAYOUTS[layout]
     rng = np.random.default_rng(seed)
 
     shapes = tower_shapes(geo)
@@ -161,7 +177,7 @@ def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real
     if not sharded:
         specs = decoys[:3] + tower_specs + decoys[3:]
         write_safetensors(out / SINGLE_FILE, specs, _specs_data(specs, prefix, tower_data, decoy_data))
-        return out
+        return
 
     # Three shards: the tower split across the first two, each beside text-stack decoys, and a
     # third holding only text-stack tensors (the binder must not even open it).
@@ -174,7 +190,6 @@ def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real
         weight_map.update({s[0]: fname for s in specs})
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                               "weight_map": weight_map}, indent=2) + "\n")
-    return out
 
 
 def _specs_data(specs, prefix, tower_data, decoy_data) -> Iterator[bytes]:
