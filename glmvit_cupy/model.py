@@ -93,12 +93,13 @@ def _check_options(max_pixels: Any, attention: Any, device: Any) -> None:
     _check_type("attention", attention, (str, type(None)), "'flash', 'naive' or None")
 
 
-def _refuse_nonfinite(out: GlmVitOutput, labels: Sequence[str]) -> None:
+def _refuse_nonfinite(out: GlmVitOutput, labels: Sequence[str], xp: Any) -> None:
     """Raise, naming the image, if any output value is NaN or Inf (the weights were checked at
-    load, so the cause is the input or an activation beyond float32's range)."""
-    if bool(np.isfinite(out.last_hidden_state).all() & np.isfinite(out.pooler_output).all()):
+    load, so the cause is the input or an activation beyond float32's range). xp: the outputs'
+    array module (NumPy, or CuPy: one reduction on the device, one bool to the host)."""
+    if bool(xp.isfinite(out.last_hidden_state).all() & xp.isfinite(out.pooler_output).all()):
         return
-    rows = np.isfinite(out.last_hidden_state).all(axis=1) & np.isfinite(out.pooler_output).all(axis=1)
+    rows = xp.isfinite(out.last_hidden_state).all(axis=1) & xp.isfinite(out.pooler_output).all(axis=1)
     rows = rows.get() if hasattr(rows, "get") else rows  # CuPy -> host
     bad = [i for i in range(len(out.grid_thw)) if not rows[out.offsets[i]:out.offsets[i + 1]].all()]
     t, h, w = out.grid_thw[bad[0]].tolist()
@@ -171,15 +172,20 @@ class GlmVit:
         """pixel_values float [P, patch_dim] (NumPy or, on the GPU, CuPy) and grid_thw int [N, 3].
         An output holding NaN or Inf is refused (GlmVitError naming the image), never returned."""
         out = self._forward(pixel_values, grid_thw)
-        _refuse_nonfinite(out, [f"image {i} of this forward call" for i in range(len(out.grid_thw))])
+        labels = [f"image {i} of this forward call" for i in range(len(out.grid_thw))]
+        _refuse_nonfinite(out, labels, self._xp())
         return out
+
+    def _xp(self) -> Any:
+        """The array module of this backend's outputs."""
+        if self.backend == "cupy":
+            import cupy
+            return cupy
+        return np
 
     def _forward(self, pixel_values: Any, grid_thw: Any) -> GlmVitOutput:
         geo = self.geometry
-        arrays: tuple[type, ...] = (np.ndarray,)
-        if self.backend == "cupy":
-            import cupy
-            arrays += (cupy.ndarray,)
+        arrays = (np.ndarray,) if self.backend == "numpy" else (np.ndarray, self._xp().ndarray)
         _check_type("pixel_values", pixel_values, arrays,
                     f"a {'NumPy or CuPy' if len(arrays) > 1 else 'NumPy'} float array [patches, "
                     f"{geo.patch_dim}] (glmvit_cupy.preprocess makes one)")
@@ -218,7 +224,7 @@ class GlmVit:
             if batch and (i == len(prepared) or full):
                 out = self._forward(np.concatenate([prepared[j][0] for j in batch]),
                                     np.concatenate([prepared[j][1] for j in batch]))
-                _refuse_nonfinite(out, [labels[j] for j in batch])
+                _refuse_nonfinite(out, [labels[j] for j in batch], self._xp())
                 results.extend(out.split())
                 batch = []
             if i < len(prepared):

@@ -34,23 +34,29 @@ WRONG_CALLS = {
     "encode(None)": (lambda v: v.encode(None), r"cannot encode a NoneType"),
     "encode(b'...')": (lambda v: v.encode(b"\x89PNG"), r"cannot encode a bytes"),
     "encode([image, 3.5])": (lambda v: v.encode([photo_like(28, 28), 3.5]), r"cannot encode a float"),
-    "encode(float image)": (lambda v: v.encode(photo_like(28, 28).astype(np.float32)), r"dtype float32, expected HxWx3 uint8"),
+    "encode(float image)": (lambda v: v.encode(photo_like(28, 28).astype(np.float32)),
+                            r"dtype float32, expected HxWx3 uint8"),
     "encode(min_image_tokens='16')": (lambda v: v.encode(photo_like(28, 28), min_image_tokens="16"),
                                       r"min_image_tokens is '16' \(a str\), expected an int"),
     "encode(max_image_tokens=1e4)": (lambda v: v.encode(photo_like(28, 28), max_image_tokens=1e4),
                                      r"max_image_tokens is 10000\.0 \(a float\)"),
-    "forward(list, grid)": (lambda v: v.forward(PIXELS.tolist(), [[1, 2, 2]]), r"pixel_values is a list, expected a NumPy float array"),
+    "forward(list, grid)": (lambda v: v.forward(PIXELS.tolist(), [[1, 2, 2]]),
+                            r"pixel_values is a list, expected a NumPy float array"),
     "forward(None, grid)": (lambda v: v.forward(None, [[1, 2, 2]]), r"pixel_values is a NoneType"),
-    "forward(uint8 pixels)": (lambda v: v.forward(PIXELS.astype(np.uint8), [[1, 2, 2]]), r"pixel_values has dtype uint8, expected float32"),
+    "forward(uint8 pixels)": (lambda v: v.forward(PIXELS.astype(np.uint8), [[1, 2, 2]]),
+                              r"pixel_values has dtype uint8, expected float32"),
     "forward(object pixels)": (lambda v: v.forward(PIXELS.astype(object), [[1, 2, 2]]), r"dtype object"),
-    "forward(pixels, ragged grid)": (lambda v: v.forward(PIXELS, [[1, 2, 2], [1]]), r"grid_thw is not an integer array"),
+    "forward(pixels, ragged grid)": (lambda v: v.forward(PIXELS, [[1, 2, 2], [1]]),
+                                     r"grid_thw is not an integer array"),
     "forward(pixels, float grid)": (lambda v: v.forward(PIXELS, [[1.0, 2.0, 2.0]]), r"grid_thw has dtype float64"),
     "forward(pixels, None)": (lambda v: v.forward(PIXELS, None), r"grid_thw has shape \[\]"),
     "preprocess(5)": (lambda v: preprocess(5), r"cannot encode a int"),
     "preprocess(patch_size='14')": (lambda v: preprocess(photo_like(28, 28), patch_size="14"), r"patch_size is '14'"),
     "from_pretrained(5)": (lambda v: GlmVit.from_pretrained(5), r"path is a int, expected a checkpoint directory"),
-    "from_pretrained(max_pixels='1e6')": (lambda v: GlmVit.from_pretrained("x", max_pixels="1e6"), r"max_pixels is a str"),
-    "from_pretrained(max_pixels=1e6)": (lambda v: GlmVit.from_pretrained("x", max_pixels=1e6), r"max_pixels is a float"),
+    "from_pretrained(max_pixels='1e6')": (lambda v: GlmVit.from_pretrained("x", max_pixels="1e6"),
+                                          r"max_pixels is a str"),
+    "from_pretrained(max_pixels=1e6)": (lambda v: GlmVit.from_pretrained("x", max_pixels=1e6),
+                                        r"max_pixels is a float"),
     "from_pretrained(device='0')": (lambda v: GlmVit.from_pretrained("x", device="0"), r"device is a str"),
     "from_pretrained(attention=1)": (lambda v: GlmVit.from_pretrained("x", attention=1), r"attention is a int"),
     "from_weights(path)": (lambda v: GlmVit.from_weights("ckpt/", "numpy"), r"weights is a str, expected TowerWeights"),
@@ -158,3 +164,31 @@ def test_threads_sharing_one_glmvit_get_their_own_results(vit):
 @pytest.mark.gpu
 def test_threads_sharing_one_gpu_glmvit_take_turns(tiny_ckpt):
     threads_get_their_own_results(GlmVit.from_pretrained(tiny_ckpt, backend="cupy"))
+
+
+@pytest.mark.gpu
+def test_the_engines_attention_default_is_not_overridden(tmp_path):
+    """head_dim 32 has no flash kernel: with no attention asked for, the engine's own default
+    ("auto": naive there) holds, and from_pretrained works (the API's default used to force flash)."""
+    import dataclasses
+
+    from glmvit_cupy.geometry import REAL, GlmVitGeometry
+
+    geo = dataclasses.replace(GlmVitGeometry(**REAL), depth=1, hidden_size=128, num_heads=4, intermediate_size=256,
+                              out_hidden_size=256, projection_intermediate_size=512)
+    vit = GlmVit.from_pretrained(write_checkpoint(tmp_path / "t", geo, seed=3), backend="cupy")
+    assert geo.head_dim == 32 and vit.tower.attention_kind == "naive"
+    pixels, grid = preprocess(photo_like(56, 84, 1))
+    assert np.isfinite(vit.forward(pixels, grid).pooler_output.get()).all()
+
+
+@pytest.mark.gpu
+def test_a_non_finite_gpu_output_is_refused_naming_the_image(tiny_ckpt):
+    import cupy
+
+    vit = GlmVit.from_pretrained(tiny_ckpt, backend="cupy")
+    pixels, grid = preprocess([photo_like(56, 56, 1), photo_like(56, 84, 2)])
+    assert np.isfinite(vit.forward(cupy.asarray(pixels), grid).pooler_output.get()).all()
+    pixels[int(grid[0].prod()) + 3, 7] = np.nan
+    with pytest.raises(GlmVitError, match=r"image 1 of this forward call \(grid_thw 1x8x10\)"):
+        vit.forward(cupy.asarray(pixels), grid)
