@@ -38,8 +38,12 @@ def user_errors(command: Callable) -> Callable:
             return command(*args, **kwargs)
         except GlmVitError as exc:
             fail(str(exc))
-        except MemoryError:
-            fail("out of host memory (try a smaller --max-pixels or fewer images per call)")
+        except MemoryError as exc:
+            if type(exc).__module__.startswith("cupy"):  # CuPy's OutOfMemoryError is a MemoryError
+                fail(f"out of GPU memory ({exc}): try a smaller --max-pixels (it sizes the GPU scratch) "
+                     "or a device with more free memory")
+            fail("out of host memory: try a smaller --max-image-tokens (the CPU backend's working memory "
+                 "grows with an image's tokens) or a smaller --max-pixels (fewer images per forward call)")
     return wrapped
 
 
