@@ -148,3 +148,19 @@ def test_a_decompression_bomb_is_one_line(tmp_path, tiny_ckpt):
     proc = run("encode", str(bomb), "--model", str(tiny_ckpt), "--out", str(tmp_path / "o.npy"), "--backend", "numpy")
     assert_clean_failure(proc, "bomb.png", "900,000,000 pixels", "MAX_IMAGE_PIXELS")
     assert not list(tmp_path.glob("*.npy")) and not list(tmp_path.glob(".o.*"))
+
+
+def test_out_of_host_memory_names_an_option_that_helps(capsys):
+    """A MemoryError on the CPU backend: one line naming --max-image-tokens, which shrinks what
+    the NumPy forward holds (--max-pixels alone cannot shrink a single image)."""
+    import cli
+
+    @cli.user_errors
+    def command() -> None:
+        np.empty(1 << 62, dtype=np.uint8)  # a real MemoryError (NumPy's _ArrayMemoryError)
+
+    with pytest.raises(SystemExit) as info:
+        command()
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 1 and "\n" not in err
+    assert err.startswith("glmvit-cupy: error: out of host memory: try a smaller --max-image-tokens")
