@@ -146,7 +146,8 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: Path, out
     rows). Inputs that fail to decode are listed in DIR/failures.jsonl and make the exit
     status non-zero; the rest are encoded.
     """
-    from glmvit_cupy import GlmVit
+    from glmvit_cupy import GlmVit, load_geometry
+    from glmvit_cupy.pipeline import Decoder
     from glmvit_cupy.preprocess import ProcessorConfig
     from glmvit_cupy.sources import expand_inputs
 
@@ -163,17 +164,23 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: Path, out
     if out_path is not None and out_path.suffix.lower() == ".npy" and len(sources) > 1:
         raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
 
-    vit = GlmVit.from_pretrained(model_dir, backend=backend, max_pixels=max_pixels)
-    if vit.backend_note and vit.backend == "numpy":
-        click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
-    processor = ProcessorConfig(patch_size=vit.geometry.patch_size, temporal_patch_size=vit.geometry.temporal_patch_size,
-                                merge_size=vit.geometry.spatial_merge_size, min_image_tokens=min_image_tokens,
+    geo = load_geometry(model_dir)
+    processor = ProcessorConfig(patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
+                                merge_size=geo.spatial_merge_size, min_image_tokens=min_image_tokens,
                                 max_image_tokens=max_image_tokens)
-    if out_path is not None:
-        _encode_to_file(vit, sources, out_path, which, workers, processor)
-    else:
-        _encode_to_dir(vit, sources, out_dir, which, dtype or "bfloat16", shard_size, workers, processor,
-                       fail_fast, quiet)
+    decoder = Decoder(min(workers, len(sources)), processor)
+    decoder.start()  # the workers come up while the tower is read
+    try:
+        vit = GlmVit.from_pretrained(model_dir, backend=backend, max_pixels=max_pixels)
+        if vit.backend_note and vit.backend == "numpy":
+            click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
+        if out_path is not None:
+            _encode_to_file(vit, sources, out_path, which, decoder, processor)
+        else:
+            _encode_to_dir(vit, sources, out_dir, which, dtype or "bfloat16", shard_size, decoder, processor,
+                           fail_fast, quiet)
+    finally:
+        decoder.close()
 
 
 def _check_single_output(out_path: Path, which: str, dtype: str | None) -> None:
@@ -187,13 +194,13 @@ def _check_single_output(out_path: Path, which: str, dtype: str | None) -> None:
     check_writable(out_path)
 
 
-def _encode_to_file(vit, sources, out_path: Path, which: str, workers: int, processor) -> None:
+def _encode_to_file(vit, sources, out_path: Path, which: str, decoder, processor) -> None:
     """A few images into one .npy/.npz, in memory; the first failure is the error."""
     from glmvit_cupy.pipeline import stream
 
     results = []
-    for result in stream(vit, sources, outputs=OUTPUTS[which], dtype="float32", workers=min(workers, len(sources)),
-                         processor=processor):
+    for result in stream(vit, sources, outputs=OUTPUTS[which], dtype="float32", processor=processor,
+                         decoder=decoder):
         if result.error is not None:
             raise GlmVitError(result.error)
         results.append(result)
@@ -210,7 +217,7 @@ def _encode_to_file(vit, sources, out_path: Path, which: str, workers: int, proc
                f"({', '.join(arrays)}), backend {vit.backend}", err=True)
 
 
-def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_size: int, workers: int, processor,
+def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_size: int, decoder, processor,
                    fail_fast: bool, quiet: bool) -> None:
     """A collection into resumable shards, with progress and a summary line."""
     from glmvit_cupy.pipeline import encode_collection
@@ -219,8 +226,8 @@ def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_si
     progress = Progress(quiet)
     signal.signal(signal.SIGTERM, _interrupt)  # a kill finishes the shard in flight, as Ctrl-C does
     try:
-        summary = encode_collection(vit, sources, out_dir, workers=workers, shard_size=shard_size, output=which,
-                                    dtype=dtype, processor=processor, fail_fast=fail_fast, progress=progress)
+        summary = encode_collection(vit, sources, out_dir, shard_size=shard_size, output=which, dtype=dtype,
+                                    processor=processor, fail_fast=fail_fast, progress=progress, decoder=decoder)
     except KeyboardInterrupt:
         progress.close()
         fail(f"interrupted after {progress.done} image(s); the finished shards are in {out_dir}: "

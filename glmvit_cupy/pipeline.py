@@ -34,7 +34,7 @@ import numpy as np
 
 from .errors import GlmVitError
 from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid
-from .shards import FORMAT, OutputDir, ShardWriter
+from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
 from .staging import DTYPES, OUTPUT_NAMES, make_stager
 
@@ -106,6 +106,12 @@ class Decoder:
             for future in queue:
                 future.cancel()
 
+    def start(self) -> None:
+        """Start the worker processes now (they come up while the caller binds the tower)."""
+        if self.pool is not None:
+            for _ in range(self.workers):
+                self.pool.submit(os.getpid)
+
     @staticmethod
     def _result(future: Future) -> Prepared:
         try:
@@ -155,13 +161,6 @@ class StreamStats:
     gpu_ms: float = 0.0
 
 
-def _finite(array: np.ndarray, dtype: str) -> np.ndarray:
-    """Per row: no NaN or Inf (BF16 as bits: the exponent all ones)."""
-    if dtype == "bfloat16":
-        return ~((array & 0x7F80) == 0x7F80).any(axis=1)
-    return np.isfinite(array).all(axis=1)
-
-
 def stream(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
            workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
            stats: StreamStats | None = None, decoder: Decoder | None = None) -> Iterator[Encoded]:
@@ -197,7 +196,7 @@ def stream(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, 
         arrays = pending.result()
         stats.batches += 1
         stats.gpu_ms += pending.gpu_ms
-        ok = np.logical_and.reduce([_finite(a, dtype) for a in arrays.values()])
+        ok = pending.finite
         for i, (slot, prep) in enumerate(members):
             a, b = int(pending.offsets[i]), int(pending.offsets[i + 1])
             if not ok[a:b].all():
@@ -266,7 +265,7 @@ class RunSummary:
 def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, workers: int = DEFAULT_WORKERS,
                       shard_size: int, output: str = "pooler", dtype: str = "bfloat16",
                       processor: ProcessorConfig | None = None, fail_fast: bool = False,
-                      progress: Any = None) -> RunSummary:
+                      progress: Any = None, decoder: Decoder | None = None) -> RunSummary:
     """Encode `sources` into shards in `out_dir`, skipping those already there (resume).
     `progress` (progress.Progress) hears `start(inputs to do)`, then `(Encoded, stats)` per input."""
     outputs = OUTPUTS[output]
@@ -277,14 +276,14 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
     directory = OutputDir(Path(out_dir), metadata)
     try:
         todo = [s for s in sources if s.key not in directory.done]
-        writer = ShardWriter(directory.directory, outputs, dtype, vit.geometry.out_hidden_size, shard_size,
-                             directory.next_index, metadata)
+        writer = BackgroundWriter(ShardWriter(directory.directory, outputs, dtype, vit.geometry.out_hidden_size,
+                                              shard_size, directory.next_index, metadata))
         stats, failures, encoded = StreamStats(), [], 0
         if progress is not None:
             progress.start(len(todo))
         try:
             for result in stream(vit, todo, outputs=outputs, dtype=dtype, workers=workers, processor=processor,
-                                 stats=stats):
+                                 stats=stats, decoder=decoder):
                 if result.error is not None:
                     failures.append({**result.item.record(), "error": result.error})
                     directory.write_failures(failures)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import queue
 import re
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -197,6 +199,48 @@ class ShardWriter:
         shard, self.shard = self.shard, None
         if shard is not None:
             shard.remove()
+
+
+class BackgroundWriter:
+    """A ShardWriter on its own thread, so that disk writes and fsyncs (a shard of photos is
+    ~1 GB) never hold up the thread feeding the engine. The queue holds at most `depth` images;
+    an error in the thread comes back on the next call."""
+
+    def __init__(self, writer: ShardWriter, depth: int = 64) -> None:
+        self.writer, self.error = writer, None
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="glmvit-cupy shard writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.writer.add(*job)
+                except BaseException as exc:  # kept for the feeding thread, which raises it
+                    self.error = exc
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
+        self._check()
+        self.queue.put((record, arrays, grid_thw))
+
+    def _drain(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def finish(self) -> None:
+        """Write what is queued and seal the shard in flight."""
+        self._drain()
+        self._check()
+        self.writer.finish()
+
+    def discard(self) -> None:
+        self._drain()
+        self.writer.discard()
 
 
 def read_header(path: Path) -> dict:

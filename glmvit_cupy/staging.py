@@ -44,22 +44,36 @@ def host_cast(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(DTYPES[dtype][0], copy=False)
 
 
+def finite_rows(array, dtype: str):
+    """Per row of an output in `dtype` (NumPy or CuPy): True where it holds no NaN or Inf (BF16
+    as its bits: the exponent all ones). A float16 output that overflowed is not finite either."""
+    if dtype == "bfloat16":
+        return ((array & 0x7F80) != 0x7F80).all(axis=1)
+    if isinstance(array, np.ndarray):
+        return np.isfinite(array).all(axis=1)
+    import cupy
+
+    return cupy.isfinite(array).all(axis=1)
+
+
 def _up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
 class Pending:
     """One submitted batch: `result()` waits for it and returns {output name: host array
-    [merged tokens, out_hidden]} in the asked dtype, plus `grid_thw` and `offsets`."""
+    [merged tokens, out_hidden]} in the asked dtype; then `finite` (bool per row: no NaN or Inf
+    in any output), `grid_thw` and `offsets` describe it."""
 
-    def __init__(self, grid_thw: np.ndarray, offsets: np.ndarray, arrays: dict | None = None, collect=None) -> None:
+    def __init__(self, grid_thw: np.ndarray, offsets: np.ndarray, arrays: dict | None = None,
+                 finite: np.ndarray | None = None, collect=None) -> None:
         self.grid_thw, self.offsets = grid_thw, offsets
-        self._arrays, self._collect = arrays, collect
+        self._arrays, self.finite, self._collect = arrays, finite, collect
         self.gpu_ms = 0.0  # the engine stream's time on this batch (CUDA events), 0 on the CPU
 
     def result(self) -> dict[str, np.ndarray]:
         if self._arrays is None:
-            self._arrays, self.gpu_ms = self._collect()
+            self._arrays, self.finite, self.gpu_ms = self._collect()
             self._collect = None
         return self._arrays
 
@@ -75,7 +89,8 @@ class NumpyStager:
         last_hidden, pooler = self.tower.forward(pixels, grid_thw)
         produced = {"pooler_output": pooler, "last_hidden_state": last_hidden}
         arrays = {name: host_cast(produced[name], self.dtype) for name in self.outputs}
-        return Pending(grid_thw, merged_offsets(grid_thw, self.tower.geo.merge_unit), arrays)
+        finite = np.logical_and.reduce([finite_rows(a, self.dtype) for a in arrays.values()])
+        return Pending(grid_thw, merged_offsets(grid_thw, self.tower.geo.merge_unit), arrays, finite)
 
 
 class CupyStager:
@@ -100,8 +115,10 @@ class CupyStager:
             self.device_out = {name: cupy.empty((m_max, geo.out_hidden_size), dtype=DTYPES[dtype][0])
                                for name in self.outputs}
             self.pinned_in = [self._pinned(self.capacity) for _ in range(2)]
+            self.device_finite = cupy.empty(m_max, dtype=cupy.bool_)
             self.pinned_out = [{name: self._pinned(m_max * geo.out_hidden_size * itemsize).view(DTYPES[dtype][0])
                                 for name in self.outputs} for _ in range(2)]
+            self.pinned_finite = [self._pinned(m_max).view(np.bool_) for _ in range(2)]
             self.uploaded_events = [None, None]  # per input slot: its H2D, before the host refills it
             self.slot_pending: list[Pending | None] = [None, None]  # per output slot: who must collect first
             self.consumed = None  # the engine has read the staging buffer (the last batch's)
@@ -177,8 +194,11 @@ class CupyStager:
             if self.downloaded is not None:
                 stream.wait_event(self.downloaded)
             produced = {"pooler_output": s.pooler[:m], "last_hidden_state": s.last_hidden[:m]}
+            finite = self.device_finite[:m]
+            finite.fill(True)
             for name in self.outputs:
                 self._cast(produced[name], self.device_out[name][:m], stream)
+                finite &= finite_rows(self.device_out[name][:m], self.dtype)
             computed = stream.record()
 
         # Copy stream: the outputs to the host slot.
@@ -187,13 +207,15 @@ class CupyStager:
         for name in self.outputs:
             dev = self.device_out[name][:m]
             dev.data.copy_to_host_async(ctypes.c_void_p(out[name].ctypes.data), dev.nbytes, copy)
+        flags = self.pinned_finite[slot]
+        finite.data.copy_to_host_async(ctypes.c_void_p(flags.ctypes.data), m, copy)
         downloaded = self.downloaded = copy.record()
         width = tower.geo.out_hidden_size
 
         def collect():
             downloaded.synchronize()
             arrays = {name: out[name][:m * width].reshape(m, width).copy() for name in self.outputs}
-            return arrays, cupy.cuda.get_elapsed_time(start, computed)
+            return arrays, flags[:m].copy(), cupy.cuda.get_elapsed_time(start, computed)
 
         pending = Pending(grid_thw, merged_offsets(grid_thw, tower.geo.merge_unit), collect=collect)
         self.slot_pending[slot] = pending
