@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import math
 from pathlib import Path
 from typing import Sequence, Union
@@ -28,7 +29,7 @@ from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-ImageLike = Union[str, Path, Image.Image, np.ndarray]
+ImageLike = Union[str, Path, Image.Image, np.ndarray, "EncodedImage"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,15 @@ def smart_resize(height: int, width: int, *, factor: int = 28, temporal_factor: 
     return out_h, out_w
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedImage:
+    """The bytes of an image file (from a tar shard, a request body), named for messages; read
+    exactly as the same file on disk would be."""
+
+    name: str
+    data: bytes
+
+
 def load_rgb(image: ImageLike) -> Image.Image:
     """Any accepted input as an RGB PIL image; file errors become one-line GlmVitErrors."""
     if isinstance(image, np.ndarray):
@@ -95,18 +105,18 @@ def load_rgb(image: ImageLike) -> Image.Image:
             raise GlmVitError(f"image array has shape {list(image.shape)} and dtype {image.dtype}, "
                               "expected HxWx3 uint8")
         return Image.fromarray(np.ascontiguousarray(image))
-    if isinstance(image, (str, Path)):
-        path = Path(image)
+    if isinstance(image, (str, Path, EncodedImage)):
+        name, file = (image.name, io.BytesIO(image.data)) if isinstance(image, EncodedImage) else (image, Path(image))
         try:
-            with Image.open(path) as opened:
+            with Image.open(file) as opened:
                 opened.load()  # decode now, so a truncated file fails here, by name
                 return _to_rgb(opened)
         except FileNotFoundError:
-            raise GlmVitError(f"{path}: no such image file") from None
+            raise GlmVitError(f"{name}: no such image file") from None
         except UnidentifiedImageError:
-            raise GlmVitError(f"{path}: not an image PIL can decode") from None
+            raise GlmVitError(f"{name}: not an image PIL can decode") from None
         except (OSError, ValueError, SyntaxError) as exc:
-            raise GlmVitError(f"{path}: cannot decode image: {exc}") from None
+            raise GlmVitError(f"{name}: cannot decode image: {exc}") from None
     if isinstance(image, Image.Image):
         return _to_rgb(image)
     raise GlmVitError(f"cannot encode a {type(image).__name__}: pass a path, a PIL image or an "
@@ -177,7 +187,7 @@ def preprocess(images: ImageLike | Sequence[ImageLike], config: ProcessorConfig 
     """One image or a list -> (pixel_values float32 [P, 1176], grid_thw int64 [N, 3]).
     `settings` override fields of `config` (default: the processor's defaults)."""
     config = dataclasses.replace(config or ProcessorConfig(), **settings)
-    if isinstance(images, (str, Path, Image.Image, np.ndarray)):
+    if isinstance(images, (str, Path, Image.Image, np.ndarray, EncodedImage)):
         images = [images]
     if len(images) == 0:
         raise GlmVitError("no images to preprocess")
