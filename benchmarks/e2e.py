@@ -30,13 +30,13 @@ Issue 14, item 8, in one process and one command:
    it keeps CUDA graphs for its last 16 grids only, and a mixed collection has a new grid in
    every batch.
 4. transformers: `Glm5NextImageProcessorPil` on 16 files, then `Glm5NextVisionModel` (our
-   checkpoint's tower, bf16, sdpa) on the batch, pooler_output brought to the host, over all
-   files, after one untimed warm-up batch. The processor's grids must equal ours (the same
+   checkpoint's tower, bf16, sdpa) on the batch, pooler_output brought to the host (not
+   written to disk, as ours is), over all files, after one untimed warm-up batch. The processor's grids must equal ours (the same
    work is compared).
 5. A Markdown table on stdout; a JSON record (and the table) under benchmarks/results/.
 
     python benchmarks/e2e.py --model /tmp/glmvit-real                               # the H200 run
-    python benchmarks/e2e.py --model /tmp/glmvit-tiny --backend numpy --images 30   # CPU smoke run
+    python benchmarks/e2e.py --model /tmp/glmvit-tiny --backend numpy --images 12   # CPU smoke run
 
 On --backend numpy (no GPU) every part runs on the CPU: the CLI and the forward with the
 NumPy backend, transformers on the CPU.
@@ -153,7 +153,7 @@ def run_cli(inputs: list[str], model: Path, out_dir: Path, workers: int, backend
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     sampler = TreeRss(proc.pid)
     sampler.start()
-    stdout, stderr = proc.communicate()
+    _, stderr = proc.communicate()
     wall = time.perf_counter() - t0
     sampler.done.set()
     sampler.join()
@@ -328,8 +328,8 @@ def markdown(r: dict) -> str:
              "| measure | value | target |", "| --- | --- | --- |",
              f"| ours end to end, images/s | {e2e['images_per_s']:.1f} | |",
              f"| ours end to end, tokens/s | {e2e['tokens_per_s']:,.0f} | |",
-             f"| ours end to end, pipeline wall / process wall s | {e2e['pipeline_wall_s']:.1f} / "
-             f"{e2e['process_wall_s']:.1f} | |",
+             f"| ours end to end, pipeline wall / process wall s (shards written: {e2e['out_mib'] / 1024:.1f} GiB) | "
+             f"{e2e['pipeline_wall_s']:.1f} / {e2e['process_wall_s']:.1f} | |",
              f"| forward only, images/s (best of {len(fwd['pass_s'])} passes; first pass) | "
              f"{fwd['images_per_s']:.1f} ({fwd['first_pass_images_per_s']:.1f}) | |",
              f"| end to end / forward only | {r['ratio_e2e_forward']:.2f}x | >= {TARGET_FORWARD_RATIO}x |",
