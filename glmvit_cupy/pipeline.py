@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -74,13 +75,22 @@ def _quiet_worker() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
 
 
+def _main_reimportable() -> bool:
+    """Whether a worker process can start: it re-imports the caller's main script, so that script
+    must exist as a file (not `python - < script`); an interactive session has none and is fine."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path)
+
+
 class Decoder:
-    """In-order decode of an iterable of inputs by `workers` processes (0: in this thread),
-    with at most `window` inputs in flight."""
+    """In-order decode of an iterable of inputs by `workers` processes (0, or a main script that
+    is no file: in this thread), with at most `window` inputs in flight."""
 
     def __init__(self, workers: int, processor: ProcessorConfig) -> None:
         if workers < 0:
             raise GlmVitError(f"workers {workers}: expected 0 (decode in this process) or more")
+        workers = workers if _main_reimportable() else 0
         self.processor, self.workers = processor, workers
         self.window = 4 * workers + 8
         self.pool: ProcessPoolExecutor | None = None
