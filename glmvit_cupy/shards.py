@@ -26,6 +26,7 @@ import queue
 import re
 import struct
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -129,6 +130,10 @@ class ShardWriter:
         self.reserve = -(-len(_header(worst, metadata)) // 8) * 8
         self.shard: _OpenShard | None = None
         self.written: list[Path] = []
+        # Sealing (fsync, renames) runs on a thread of its own, in shard order: an fsync of a shard
+        # of photos takes up to a second, during which the next shard keeps filling.
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-cupy seal")
+        self._sealing: list[Future] = []
 
     def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
         """One image: its metadata line (source fields) and its rows of each output."""
@@ -142,7 +147,12 @@ class ShardWriter:
             if data.shape != (rows, self.width):
                 raise GlmVitError(f"{name} of {record.get('path')} has shape {list(data.shape)}, "
                                   f"expected [{rows}, {self.width}]")
-            shard.files[name][0].write(data.data)
+            f = shard.files[name][0]
+            start = f.tell()
+            f.write(data.data)
+            if name == self.outputs[0]:  # start its writeback now, so that sealing has little left
+                f.flush()
+                os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
         shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
                               "rows": [shard.rows, shard.rows + rows]})
         shard.grids.append([int(v) for v in grid_thw])
@@ -151,10 +161,23 @@ class ShardWriter:
             self.finish()
 
     def finish(self) -> None:
-        """Seal the shard in flight (if it holds any image): header, fsync, rename, metadata."""
+        """Hand the shard in flight (if it holds any image) to the sealer: header, fsync, rename,
+        metadata. An error of an earlier seal is raised here."""
         shard, self.shard = self.shard, None
-        if shard is None:
-            return
+        if shard is not None:
+            self._sealing.append(self._sealer.submit(self._seal_or_remove, shard))
+        self._reap(wait=False)
+
+    def close(self) -> None:
+        """Wait until every shard handed over is sealed; raise the first error."""
+        self._reap(wait=True)
+        self._sealer.shutdown()
+
+    def _reap(self, wait: bool) -> None:
+        while self._sealing and (wait or self._sealing[0].done()):
+            self._sealing.pop(0).result()
+
+    def _seal_or_remove(self, shard: _OpenShard) -> None:
         try:
             self._seal(shard)
         except BaseException:
@@ -195,10 +218,14 @@ class ShardWriter:
         self.written.append(final)
 
     def discard(self) -> None:
-        """Drop the shard in flight (its temp files)."""
+        """Drop the shard in flight (its temp files); shards already handed over are sealed."""
         shard, self.shard = self.shard, None
         if shard is not None:
             shard.remove()
+        try:
+            self.close()
+        except Exception:
+            pass  # the run is failing already: its first error is the one to report
 
 
 class BackgroundWriter:
@@ -233,10 +260,11 @@ class BackgroundWriter:
         self.thread.join()
 
     def finish(self) -> None:
-        """Write what is queued and seal the shard in flight."""
+        """Write what is queued, seal the shard in flight, wait for every seal."""
         self._drain()
         self._check()
         self.writer.finish()
+        self.writer.close()
 
     def discard(self) -> None:
         self._drain()

@@ -3,18 +3,22 @@
 The collection pipeline hands an engine one packed batch at a time (`submit`) and collects
 it later (`Pending.result`), so that batch k+1's upload runs while batch k computes:
 
-  host            copy stream                      engine stream
+  host            upload stream           engine stream                 download stream
   canvases of k+1 -> pinned slot (k+1) % 2
-                  H2D slot -> staging, once the
-                  engine has read batch k's
-                                                   patchify (uint8 -> BF16 pixels), tables
-                                                   into the index slab, the forward, the
-                                                   outputs cast to the asked dtype
-                  D2H -> pinned output slot
+                  H2D slot -> staging,
+                  once the engine has
+                  read batch k's
+                                          patchify (uint8 -> BF16
+                                          pixels), tables into the
+                                          index slab, the forward, the
+                                          outputs cast to the asked dtype
+                                                                        D2H -> pinned output slot
   result(k): wait, copy out of the slot
 
-Every host<->device copy is from pinned memory on the copy stream: a copy from pageable
-memory can synchronise with the engine's stream and stall the host for a whole forward.
+Every host<->device copy is from pinned memory on a copy stream: a copy from pageable memory
+can synchronise with the engine's stream and stall the host for a whole forward. Uploads and
+downloads have a stream each: on one, batch k+1's upload would queue behind batch k's
+download, which waits for the end of k's forward, and the engine would idle between them.
 One staging buffer and one device output buffer suffice (each is read early in, or written
 late in, a forward); the host side has two slots of each so that filling one never waits.
 The NumPy backend has the same interface and does the work in `submit`.
@@ -109,7 +113,8 @@ class CupyStager:
                          + _ALIGN)
         itemsize = np.dtype(DTYPES[dtype][0]).itemsize
         with tower.device:
-            self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+            self.up_stream = cupy.cuda.Stream(non_blocking=True)
+            self.down_stream = cupy.cuda.Stream(non_blocking=True)
             self.staging = cupy.empty(self.capacity, dtype=cupy.uint8)
             self.table = cupy.asarray(pixel_table(processor))
             self.device_out = {name: cupy.empty((m_max, geo.out_hidden_size), dtype=DTYPES[dtype][0])
@@ -169,12 +174,12 @@ class CupyStager:
             buf[cursor:cursor + raw.size] = raw
             cursor = _up(cursor + raw.size)
 
-        # Copy stream: upload once the engine has read the previous batch's staging.
-        copy, stream = self.copy_stream, tower.stream
+        # Upload stream: once the engine has read the previous batch's staging.
+        up, down, stream = self.up_stream, self.down_stream, tower.stream
         if self.consumed is not None:
-            copy.wait_event(self.consumed)
-        self.staging.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), cursor, copy)
-        uploaded = self.uploaded_events[slot] = copy.record()
+            up.wait_event(self.consumed)
+        self.staging.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), cursor, up)
+        uploaded = self.uploaded_events[slot] = up.record()
 
         # Engine stream: patchify, tables, forward, outputs.
         stream.wait_event(uploaded)
@@ -201,15 +206,15 @@ class CupyStager:
                 finite &= finite_rows(self.device_out[name][:m], self.dtype)
             computed = stream.record()
 
-        # Copy stream: the outputs to the host slot.
-        copy.wait_event(computed)
+        # Download stream: the outputs to the host slot.
+        down.wait_event(computed)
         out = self.pinned_out[slot]
         for name in self.outputs:
             dev = self.device_out[name][:m]
-            dev.data.copy_to_host_async(ctypes.c_void_p(out[name].ctypes.data), dev.nbytes, copy)
+            dev.data.copy_to_host_async(ctypes.c_void_p(out[name].ctypes.data), dev.nbytes, down)
         flags = self.pinned_finite[slot]
-        finite.data.copy_to_host_async(ctypes.c_void_p(flags.ctypes.data), m, copy)
-        downloaded = self.downloaded = copy.record()
+        finite.data.copy_to_host_async(ctypes.c_void_p(flags.ctypes.data), m, down)
+        downloaded = self.downloaded = down.record()
         width = tower.geo.out_hidden_size
 
         def collect():
