@@ -159,7 +159,7 @@ def info(model_dir: Path, max_pixels: int | None) -> None:
     skipped = len(all_shards) - len(read)
     rows = [
         ("checkpoint", str(model_dir)),
-        ("prefix", loc.prefix),
+        ("prefix", loc.prefix or "none (bare names, as Glm5NextVisionModel.save_pretrained writes them)"),
         ("tensors", f"{len(loc.entries)} BF16 (census of depth x 14 + 11 = {geo.tensor_count} complete)"),
         ("parameters", f"{geo.parameter_count:,}"),
         ("bytes", f"{loc.tower_bytes:,} ({loc.tower_bytes / 2**30:.2f} GiB)"),
