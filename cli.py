@@ -20,6 +20,8 @@ import numpy as np
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 
+MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
+              "org/name[@revision] already in the local cache (never downloaded).")
 OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",),
            "both": ("pooler_output", "last_hidden_state")}
 
@@ -88,8 +90,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("images", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory (config.json + safetensors shards).")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--out", "out_path", required=True, type=click.Path(path_type=Path),
               help="Output file: .npy (one image, one output) or .npz.")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
@@ -105,7 +106,7 @@ def main() -> None:
 @click.option("--max-image-tokens", type=click.IntRange(min=1), default=MAX_IMAGE_TOKENS, show_default=True,
               help="Larger images are shrunk to at most this many merged tokens.")
 @user_errors
-def encode(images: tuple[Path, ...], model_dir: Path, out_path: Path, backend: str, which: str,
+def encode(images: tuple[Path, ...], model_dir: str, out_path: Path, backend: str, which: str,
            max_pixels: int | None, min_image_tokens: int, max_image_tokens: int) -> None:
     """Encode IMAGES into embeddings written to --out.
 
@@ -141,24 +142,25 @@ def encode(images: tuple[Path, ...], model_dir: Path, out_path: Path, backend: s
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory.")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for.")
 @user_errors
-def info(model_dir: Path, max_pixels: int | None) -> None:
+def info(model_dir: str, max_pixels: int | None) -> None:
     """Show the tower bound from a checkpoint (headers only; no tensor data is read)."""
     from glmvit_cupy.checkpoint import locate_tower
     from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.scratch import scratch_plan
 
-    loc = locate_tower(model_dir)
+    directory = resolve_model(model_dir)
+    loc = locate_tower(directory)
     geo = loc.geometry
     p_max = patch_budget(geo, max_pixels)
-    all_shards = sorted({p.name for p in model_dir.glob("*.safetensors")})
+    all_shards = sorted({p.name for p in directory.glob("*.safetensors")})
     read = [s.name for s in loc.shards]
     skipped = len(all_shards) - len(read)
     rows = [
-        ("checkpoint", str(model_dir)),
+        ("checkpoint", str(directory) + ("" if Path(model_dir) == directory else f" ({model_dir}, cached)")),
         ("prefix", loc.prefix or "none (bare names, as Glm5NextVisionModel.save_pretrained writes them)"),
         ("tensors", f"{len(loc.entries)} BF16 (census of depth x 14 + 11 = {geo.tensor_count} complete)"),
         ("parameters", f"{geo.parameter_count:,}"),
@@ -202,8 +204,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory.")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--image-size", "sizes", multiple=True, type=click.IntRange(min=28), default=(448,), show_default=True,
               help="Square image side in pixels; repeat for several cases.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -212,7 +213,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
               help="flash: the fused kernel; naive: materialised scores (the cross-check).")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per case.")
 @user_errors
-def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
+def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
     """Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.
 
     Forward only (preprocessing and the pixel upload excluded), median of CUDA-event timings
@@ -223,6 +224,7 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
     from glmvit_cupy import GlmVit, load_geometry, preprocess
     from glmvit_cupy.benchmark import cublas_peak, time_engine
     from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
 
     ok, why = gpu_available()
@@ -230,14 +232,15 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
         raise GlmVitError(f"bench needs a CUDA GPU: {why}")
     import cupy
 
+    directory = resolve_model(model_dir)
     rng = np.random.default_rng(0)
     cases = []
     for size in sizes:
         image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
         cases.append((size, preprocess([image] * batch)))
-    geo = load_geometry(model_dir)
+    geo = load_geometry(directory)
     most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
-    vit = GlmVit.from_pretrained(model_dir, backend="cupy", attention=attention,
+    vit = GlmVit.from_pretrained(directory, backend="cupy", attention=attention,
                                  max_pixels=max(most, patch_budget(geo)) * geo.patch_size ** 2)
     peak = cublas_peak()
     click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak.burst:.0f} TFLOP/s in a burst, {peak.sustained:.0f} "

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checkpoint import TowerWeights, bind_checkpoint
+from .hub import resolve_model
 from .errors import GlmVitError
 from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry, patch_budget
 from .layout import check_grid, merged_offsets, num_patches
@@ -90,17 +91,19 @@ class GlmVit:
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
                         attention: str | None = None, device: int | None = None) -> GlmVit:
-        """Bind the tower in `path`. `max_pixels` is the pixel budget of one forward call (all
+        """Bind the tower in `path`: a checkpoint directory, or a Hugging Face repo id
+        (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels` is the pixel budget of one forward call (all
         images together) and sizes the GPU scratch; `attention` ("flash" or "naive", the
         materialised-score cross-check; default: the engine's choice for the head_dim) and
         `device` (a CUDA device index; default: the current one) apply to the GPU engine."""
         backend, note = _choose_backend(backend)
+        directory = resolve_model(path)
         if backend == "numpy":
-            return cls.from_weights(bind_checkpoint(path), "numpy", max_pixels, note=note)
+            return cls.from_weights(bind_checkpoint(directory), "numpy", max_pixels, note=note)
         from .engine import CupyRuntime
         with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
             runtime = pool.submit(CupyRuntime, device)
-            weights = bind_checkpoint(path)
+            weights = bind_checkpoint(directory)
             return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note)
 
     @classmethod

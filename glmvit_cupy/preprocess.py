@@ -29,6 +29,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 ImageLike = Union[str, Path, Image.Image, np.ndarray]
+PREPROCESSOR_FILE = "preprocessor_config.json"  # the processor's settings, beside the weights
 
 
 @dataclasses.dataclass(frozen=True)
