@@ -78,6 +78,21 @@ def to_numpy(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
+def processor_options(command: Callable) -> Callable:
+    """The processor settings the command line overrides (each command takes them the same way)."""
+    options = [
+        click.option("--min-image-tokens", type=click.IntRange(min=1), default=None,
+                     help="Smaller images are enlarged to at least this many merged tokens. [default: "
+                          f"the checkpoint's preprocessor_config.json, else {MIN_IMAGE_TOKENS}]"),
+        click.option("--max-image-tokens", type=click.IntRange(min=1), default=None,
+                     help="Larger images are shrunk to at most this many merged tokens. [default: "
+                          f"the checkpoint's preprocessor_config.json, else {MAX_IMAGE_TOKENS}]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="glmvit-cupy")
 def main() -> None:
@@ -101,13 +116,10 @@ def main() -> None:
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Pixel budget of one forward call (sizes the GPU scratch). "
                    "[default: one image of --max-image-tokens]")
-@click.option("--min-image-tokens", type=click.IntRange(min=1), default=MIN_IMAGE_TOKENS, show_default=True,
-              help="Smaller images are enlarged to at least this many merged tokens.")
-@click.option("--max-image-tokens", type=click.IntRange(min=1), default=MAX_IMAGE_TOKENS, show_default=True,
-              help="Larger images are shrunk to at most this many merged tokens.")
+@processor_options
 @user_errors
 def encode(images: tuple[Path, ...], model_dir: str, out_path: Path, backend: str, which: str,
-           max_pixels: int | None, min_image_tokens: int, max_image_tokens: int) -> None:
+           max_pixels: int | None, min_image_tokens: int | None, max_image_tokens: int | None) -> None:
     """Encode IMAGES into embeddings written to --out.
 
     One image with .npy gives float32 [tokens, out_hidden] of the chosen output. .npz holds
@@ -123,10 +135,11 @@ def encode(images: tuple[Path, ...], model_dir: str, out_path: Path, backend: st
         raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
     check_writable(out_path)
 
-    vit = GlmVit.from_pretrained(model_dir, backend=backend, max_pixels=max_pixels)
+    vit = GlmVit.from_pretrained(model_dir, backend=backend, max_pixels=max_pixels,
+                                 min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     if vit.backend_note and vit.backend == "numpy":
         click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
-    results = vit.encode(list(images), min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    results = vit.encode(list(images))
     arrays = {name: np.concatenate([to_numpy(getattr(r, name)) for r in results]) for name in OUTPUTS[which]}
     grid = np.concatenate([r.grid_thw for r in results])
     counts = [len(to_numpy(r.pooler_output)) for r in results]
@@ -144,16 +157,26 @@ def encode(images: tuple[Path, ...], model_dir: str, out_path: Path, backend: st
 @main.command()
 @click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for.")
+@processor_options
 @user_errors
-def info(model_dir: str, max_pixels: int | None) -> None:
-    """Show the tower bound from a checkpoint (headers only; no tensor data is read)."""
+def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
+         max_image_tokens: int | None) -> None:
+    """Show the tower bound from a checkpoint (headers only; no tensor data is read) and the
+    image processor's settings in force, each with where it came from."""
+    from PIL import Image
+
     from glmvit_cupy.checkpoint import locate_tower
     from glmvit_cupy.geometry import patch_budget
     from glmvit_cupy.hub import resolve_model
+    from glmvit_cupy.model import check_processor
+    from glmvit_cupy.preprocess import PREPROCESSOR_FILE, processor_config
     from glmvit_cupy.scratch import scratch_plan
 
     directory = resolve_model(model_dir)
     loc = locate_tower(directory)
+    processor, sources = processor_config(directory, min_image_tokens=min_image_tokens,
+                                          max_image_tokens=max_image_tokens)
+    check_processor(processor, loc.geometry)
     geo = loc.geometry
     p_max = patch_budget(geo, max_pixels)
     all_shards = sorted({p.name for p in directory.glob("*.safetensors")})
@@ -175,7 +198,13 @@ def info(model_dir: str, max_pixels: int | None) -> None:
                      f"rope_theta {geo.rope_theta:g}"),
         ("p_max", f"{p_max} patches per forward call"),
         ("gpu scratch", f"{scratch_plan(geo, p_max).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image)"),
+        ("processor", str(directory / PREPROCESSOR_FILE) if (directory / PREPROCESSOR_FILE).is_file()
+         else f"no {PREPROCESSOR_FILE}: transformers' defaults"),
     ]
+    for name, source in sources.items():
+        value = getattr(processor, name)
+        shown = f"{value} ({Image.Resampling(value).name.lower()})" if name == "resample" else str(value)
+        rows.append((f"  {name}", f"{shown}  [{source}]"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")

@@ -1,8 +1,11 @@
 """`GlmVit`: the library API over either backend.
 
-    vit = GlmVit.from_pretrained("ckpt/", backend="auto")
+    vit = GlmVit.from_pretrained("ckpt/", backend="auto")   # or "org/name" from the HF cache
     out = vit.forward(pixel_values, grid_thw)      # .last_hidden_state, .pooler_output
     per_image = vit.encode(["a.png", "b.jpg"])     # preprocessing + forward, one result each
+
+`vit.processor` is the image processor's settings: the checkpoint's preprocessor_config.json
+where it has one, keyword arguments of `from_pretrained` overriding it.
 
 `backend="numpy"` runs the float32 reference (`reference.py`) on the CPU; `"cupy"` runs the
 GPU engine (`engine.py`); `"auto"` takes the GPU when CuPy sees one. Outputs are float32
@@ -22,9 +25,9 @@ import numpy as np
 from .checkpoint import TowerWeights, bind_checkpoint
 from .hub import resolve_model
 from .errors import GlmVitError
-from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry, patch_budget
+from .geometry import GlmVitGeometry, patch_budget
 from .layout import check_grid, merged_offsets, num_patches
-from .preprocess import ImageLike, preprocess
+from .preprocess import ImageLike, ProcessorConfig, preprocess, processor_config
 
 BACKENDS = ("auto", "numpy", "cupy")
 
@@ -79,47 +82,69 @@ def _choose_backend(backend: str) -> tuple[str, str]:
     return "cupy", ""
 
 
+def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
+    """The processor must cut the patches the tower embeds (transformers would fail later, on a
+    shape mismatch inside the model)."""
+    for mine, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                         ("merge_size", "spatial_merge_size")):
+        if getattr(processor, mine) != getattr(geo, theirs):
+            raise GlmVitError(f"processor {mine} {getattr(processor, mine)} disagrees with the tower's "
+                              f"{theirs} {getattr(geo, theirs)} (config.json): fix preprocessor_config.json "
+                              "or the option")
+
+
 class GlmVit:
     """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend."""
 
-    def __init__(self, tower: Any, backend: str, backend_note: str) -> None:
+    def __init__(self, tower: Any, backend: str, backend_note: str, processor: ProcessorConfig) -> None:
         self.tower = tower
         self.backend = backend
         self.backend_note = backend_note  # why this backend (for the CLI's one-line notice)
         self.geometry: GlmVitGeometry = tower.geo
+        check_processor(processor, self.geometry)
+        self.processor = processor
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
-                        attention: str | None = None, device: int | None = None) -> GlmVit:
+                        attention: str | None = None, device: int | None = None,
+                        **processor_settings: Any) -> GlmVit:
         """Bind the tower in `path`: a checkpoint directory, or a Hugging Face repo id
-        (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels` is the pixel budget of one forward call (all
-        images together) and sizes the GPU scratch; `attention` ("flash" or "naive", the
-        materialised-score cross-check; default: the engine's choice for the head_dim) and
-        `device` (a CUDA device index; default: the current one) apply to the GPU engine."""
+        (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels`
+        is the pixel budget of one forward call (all images together) and sizes the GPU
+        scratch; `attention` ("flash" or "naive", the materialised-score cross-check; default:
+        the engine's choice for the head_dim) and `device` (a CUDA device index; default: the
+        current one) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
+        leaves one alone) override the checkpoint's preprocessor_config.json."""
         backend, note = _choose_backend(backend)
         directory = resolve_model(path)
+        processor, _ = processor_config(directory, **processor_settings)
         if backend == "numpy":
-            return cls.from_weights(bind_checkpoint(directory), "numpy", max_pixels, note=note)
+            return cls.from_weights(bind_checkpoint(directory), "numpy", max_pixels, note=note, processor=processor)
         from .engine import CupyRuntime
         with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
             runtime = pool.submit(CupyRuntime, device)
             weights = bind_checkpoint(directory)
-            return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note)
+            return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note,
+                                    processor=processor)
 
     @classmethod
     def from_weights(cls, weights: TowerWeights, backend: str = "auto", max_pixels: int | None = None,
                      attention: str | None = None, device: int | None = None, runtime: Any = None,
-                     note: str = "") -> GlmVit:
+                     note: str = "", processor: ProcessorConfig | None = None) -> GlmVit:
         """An engine over weights already bound (`checkpoint.bind_checkpoint`): several engines,
-        with their own budgets and devices, can share one read of the tower."""
+        with their own budgets and devices, can share one read of the tower. `processor`
+        defaults to the settings of the checkpoint's own directory (`processor_config`)."""
         backend, auto_note = _choose_backend(backend)
         p_max = patch_budget(weights.location.geometry, max_pixels)
+        if processor is None:
+            processor, _ = processor_config(weights.location.shards[0].parent)
         if backend == "numpy":
             from .reference import NumpyTower
-            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note)
+            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, processor)
         from .engine import CupyTower
         options = {} if attention is None else {"attention": attention}
-        return cls(CupyTower(weights, p_max, runtime=runtime, device=device, **options), "cupy", note or auto_note)
+        return cls(CupyTower(weights, p_max, runtime=runtime, device=device, **options), "cupy", note or auto_note,
+                   processor)
 
     @property
     def p_max(self) -> int:
@@ -142,17 +167,15 @@ class GlmVit:
         last_hidden, pooler = self.tower.forward(pixel_values, grid)
         return GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
 
-    def encode(self, images: ImageLike | Sequence[ImageLike],
-               min_image_tokens: int = MIN_IMAGE_TOKENS,
-               max_image_tokens: int = MAX_IMAGE_TOKENS) -> list[GlmVitOutput]:
-        """Preprocess and encode images; one GlmVitOutput per image, in order. Images are packed
-        into forward calls of at most p_max patches each."""
+    def encode(self, images: ImageLike | Sequence[ImageLike], **settings: Any) -> list[GlmVitOutput]:
+        """Preprocess (with `vit.processor`, `settings` overriding its fields for this call; None
+        leaves one alone) and encode images; one GlmVitOutput per image, in order. Images are
+        packed into forward calls of at most p_max patches each."""
         if isinstance(images, (str, Path, np.ndarray)) or not isinstance(images, Sequence):
             images = [images]
-        geo = self.geometry
-        prepared = [preprocess(img, patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
-                               merge_size=geo.spatial_merge_size, min_image_tokens=min_image_tokens,
-                               max_image_tokens=max_image_tokens) for img in images]
+        processor = dataclasses.replace(self.processor, **{k: v for k, v in settings.items() if v is not None})
+        check_processor(processor, self.geometry)
+        prepared = [preprocess(img, processor) for img in images]
         results: list[GlmVitOutput] = []
         batch: list[tuple[np.ndarray, np.ndarray]] = []
         for item in prepared + [None]:
