@@ -210,6 +210,26 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
         click.echo(f"{key:<{width}}  {value}")
 
 
+@main.command()
+@click.argument("source", metavar="SRC")
+@click.argument("destination", metavar="DST", type=click.Path(path_type=Path))
+@user_errors
+def extract(source: str, destination: Path) -> None:
+    """Write the tower of SRC as a vision-only checkpoint in the new directory DST.
+
+    SRC is anything --model takes (a checkpoint directory in any layout, or a repo id in the
+    local Hugging Face cache). DST gets config.json (model_type glm5_next_vision),
+    model.safetensors (the tower's tensors under the bare names Glm5NextVisionModel's
+    save_pretrained writes, bits unchanged) and SRC's preprocessor_config.json when it has one.
+    Only the tower's bytes are read; DST appears whole or not at all.
+    """
+    from glmvit_cupy.extract import extract_tower
+
+    done = extract_tower(source, destination)
+    click.echo(f"{done.destination}: {len(done.location.entries)} BF16 tensors ({done.bytes_read / 2**20:.1f} MiB "
+               f"read from {len(done.location.shards)} shard(s) of {done.source}); {', '.join(done.files)}")
+
+
 @main.command("make-checkpoint")
 @click.argument("directory", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--geometry", type=click.Choice(["real", "tiny"]), default="real", show_default=True,

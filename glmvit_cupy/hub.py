@@ -26,12 +26,12 @@ from pathlib import Path
 
 from .checkpoint import INDEX_FILE, SINGLE_FILE, probe_prefix, tensor_names, tower_tensor_names
 from .errors import GlmVitError
+from .geometry import CONFIG_FILE
 from .preprocess import PREPROCESSOR_FILE
 
 REPO_REF = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>.+))?")
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")  # huggingface_hub's REGEX_COMMIT_HASH
 DEFAULT_REVISION = "main"
-CONFIG_FILE = "config.json"
 # What to fetch before the shards are known (the index then names the tower's).
 FIRST_FETCH = [CONFIG_FILE, PREPROCESSOR_FILE, INDEX_FILE]
 
