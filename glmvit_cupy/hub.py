@@ -29,11 +29,17 @@ from .errors import GlmVitError
 from .geometry import CONFIG_FILE
 from .preprocess import PREPROCESSOR_FILE
 
-REPO_REF = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>.+))?")
+# huggingface_hub's validate_repo_id, with the namespace required (a bare name is a directory).
+REPO_ID = re.compile(r"\b[\w\-.]{1,96}\b/\b[\w\-.]{1,96}\b", re.ASCII)
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")  # huggingface_hub's REGEX_COMMIT_HASH
 DEFAULT_REVISION = "main"
 # What to fetch before the shards are known (the index then names the tower's).
 FIRST_FETCH = [CONFIG_FILE, PREPROCESSOR_FILE, INDEX_FILE]
+
+
+def is_repo_id(text: str) -> bool:
+    return (REPO_ID.fullmatch(text) is not None and "--" not in text and ".." not in text
+            and not text.endswith(".git"))
 
 
 def cache_root() -> tuple[Path, str]:
@@ -100,12 +106,11 @@ def resolve_model(model: str | os.PathLike) -> Path:
     path = Path(model)
     if path.is_dir():
         return path
-    match = REPO_REF.fullmatch(str(model))
-    if match is None:
+    repo, at, revision = str(model).partition("@")
+    if not is_repo_id(repo) or (at and not revision):
         raise GlmVitError(f"{model}: not a directory, nor a Hugging Face repo id (org/name or "
                           "org/name@revision)")
-    repo, revision = match["repo"], match["revision"]
-    snapshot = snapshot_dir(repo, revision)
+    snapshot = snapshot_dir(repo, revision or None)
     if not (snapshot / INDEX_FILE).is_file() and not (snapshot / SINGLE_FILE).is_file():
         raise GlmVitError(f"{repo}: the cached snapshot {snapshot} has neither {INDEX_FILE} nor "
                           f"{SINGLE_FILE}; fetch the one the repo has: {_hf_download(repo, revision, FIRST_FETCH)}"

@@ -27,7 +27,7 @@ from .hub import resolve_model
 from .errors import GlmVitError
 from .geometry import GlmVitGeometry, patch_budget
 from .layout import check_grid, merged_offsets, num_patches
-from .preprocess import ImageLike, ProcessorConfig, preprocess, processor_config
+from .preprocess import ImageLike, ProcessorConfig, preprocess, processor_config, with_settings
 
 BACKENDS = ("auto", "numpy", "cupy")
 
@@ -173,7 +173,7 @@ class GlmVit:
         packed into forward calls of at most p_max patches each."""
         if isinstance(images, (str, Path, np.ndarray)) or not isinstance(images, Sequence):
             images = [images]
-        processor = dataclasses.replace(self.processor, **{k: v for k, v in settings.items() if v is not None})
+        processor = with_settings(self.processor, **settings)
         check_processor(processor, self.geometry)
         prepared = [preprocess(img, processor) for img in images]
         results: list[GlmVitOutput] = []

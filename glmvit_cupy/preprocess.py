@@ -105,14 +105,24 @@ def _field_value(name: str, value: Any) -> Any:
     return value
 
 
+def _check_names(settings: dict[str, Any]) -> None:
+    unknown = sorted(set(settings) - set(FIELDS))
+    if unknown:
+        raise GlmVitError(f"processor: unknown setting(s) {', '.join(unknown)} (known: {', '.join(FIELDS)})")
+
+
+def with_settings(config: ProcessorConfig, **settings: Any) -> ProcessorConfig:
+    """`config` with each setting that is not None in its place (written as in the JSON file)."""
+    _check_names(settings)
+    return dataclasses.replace(config, **{k: _field_value(k, v) for k, v in settings.items() if v is not None})
+
+
 def processor_config(model_dir: str | Path | None = None,
                      **overrides: Any) -> tuple[ProcessorConfig, dict[str, str]]:
     """The processor's settings for the model in `model_dir`: its preprocessor_config.json where
     there is one, then each override that is not None. Returns (config, field -> "default" | "preprocessor_config.json" |
     "option")."""
-    unknown = sorted(set(overrides) - set(FIELDS))
-    if unknown:
-        raise GlmVitError(f"processor: unknown setting(s) {', '.join(unknown)} (known: {', '.join(FIELDS)})")
+    _check_names(overrides)
     values: dict[str, Any] = {}
     sources = dict.fromkeys(FIELDS, "default")
     path = Path(model_dir) / PREPROCESSOR_FILE if model_dir is not None else None
@@ -288,7 +298,7 @@ def preprocess(images: ImageLike | Sequence[ImageLike], config: ProcessorConfig 
                **settings) -> tuple[np.ndarray, np.ndarray]:
     """One image or a list -> (pixel_values float32 [P, 1176], grid_thw int64 [N, 3]).
     `settings` override fields of `config` (default: the processor's defaults)."""
-    config = dataclasses.replace(config or ProcessorConfig(), **settings)
+    config = with_settings(config or ProcessorConfig(), **settings)
     if isinstance(images, (str, Path, Image.Image, np.ndarray)):
         images = [images]
     if len(images) == 0:

@@ -117,11 +117,19 @@ def test_a_partial_snapshot_names_only_the_towers_missing_shards(cache, full_ckp
     assert bind_checkpoint(resolve_model(REPO)).location.shards == [resolve_model(REPO) / s for s in SHARDS[:2]]
 
 
-def test_a_directory_wins_and_a_non_id_is_refused(tmp_path, monkeypatch, full_ckpt):
+@pytest.mark.parametrize("text", ["../ckpt", "org/na--me", "org/name.git", "org/-name", "a/b/c", "org/café", "org/x@"])
+def test_a_directory_wins_and_a_non_id_is_refused(tmp_path, monkeypatch, full_ckpt, text):
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     monkeypatch.chdir(full_ckpt.parent)
     assert resolve_model(full_ckpt.name) == Path(full_ckpt.name)
+    repo = text.partition("@")[0]
+    if repo != "org/x":
+        with pytest.raises(HFValidationError):
+            validate_repo_id(repo)
     with pytest.raises(GlmVitError, match="not a directory, nor a Hugging Face repo id"):
-        resolve_model(str(tmp_path / "a" / "b" / "c"))
+        resolve_model(text)
 
 
 ENVIRONMENTS = [

@@ -122,3 +122,25 @@ def test_a_model_with_its_own_processor_gives_transformers_result(tmp_path):
     assert GlmVit.from_pretrained(model, backend="numpy", max_image_tokens=10).processor.max_image_tokens == 10
     with pytest.raises(GlmVitError, match="processor patch_size 14 disagrees with the tower's patch_size 16"):
         GlmVit.from_pretrained(model, backend="numpy", patch_size=14)
+
+
+def test_info_and_encode_use_the_file_and_the_options(tmp_path):
+    from glmvit_cupy.synthetic import write_checkpoint
+    from test_cli import run
+
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, layout="vision-only")
+    (ckpt / PREPROCESSOR_FILE).write_text(json.dumps({"min_image_tokens": 30, "max_image_tokens": 40, "resample": 0}))
+    proc = run("info", "--model", str(ckpt), "--max-image-tokens", "36")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in proc.stdout.splitlines() if line.startswith("  ")}
+    assert rows["min_image_tokens"] == "30  [preprocessor_config.json]"
+    assert rows["max_image_tokens"] == "36  [option]" and rows["resample"] == "0 (nearest)  [preprocessor_config.json]"
+    assert rows["image_std"].endswith("[default]")
+    Image.fromarray(photo_like(200, 100, 4)).save(tmp_path / "a.png")
+    out = tmp_path / "a.npz"
+    proc = run("encode", str(tmp_path / "a.png"), "--model", str(ckpt), "--out", str(out), "--backend", "numpy",
+               "--max-image-tokens", "36")
+    assert proc.returncode == 0, proc.stderr
+    expected = GlmVit.from_pretrained(ckpt, backend="numpy", max_image_tokens=36).encode(tmp_path / "a.png")[0]
+    assert 30 <= len(expected.pooler_output) <= 36
+    assert np.array_equal(np.load(out)["pooler_output"], expected.pooler_output)
