@@ -14,8 +14,9 @@ Like transformers, a reference that is an existing directory is that directory.
 
 Unlike `snapshot_download`, a snapshot holding only some of the repo's files is used as it is:
 the tower needs config.json, the shard index and the shards holding the tower (about 1 GiB of
-a full checkpoint of hundreds), and when some of them are missing the error says which, as an
-`hf download` command to paste.
+a full checkpoint of hundreds), and the processor its preprocessor_config.json unless the cache
+records that the repo has none (`.no_exist`, as `try_to_load_from_cache` reads it). When some
+are missing the error says which, as an `hf download` command to paste.
 """
 
 from __future__ import annotations
@@ -116,7 +117,12 @@ def resolve_model(model: str | os.PathLike) -> Path:
                           f"{SINGLE_FILE}; fetch the one the repo has: {_hf_download(repo, revision, FIRST_FETCH)}"
                           f" (or {SINGLE_FILE})")
     missing = missing_tower_files(snapshot)
+    # The processor's settings: absent for sure only where huggingface_hub recorded the Hub
+    # saying so (.no_exist, try_to_load_from_cache's _CACHED_NO_EXIST); else never fetched.
+    no_exist = snapshot.parent.parent / ".no_exist" / snapshot.name / PREPROCESSOR_FILE
+    if not (snapshot / PREPROCESSOR_FILE).is_file() and not no_exist.is_file():
+        missing.append(PREPROCESSOR_FILE)
     if missing:
         raise GlmVitError(f"{repo}: the cached snapshot {snapshot} lacks {len(missing)} file(s) the "
-                          f"tower needs; fetch them: {_hf_download(repo, revision, missing)}")
+                          f"model needs; fetch them: {_hf_download(repo, revision, missing)}")
     return snapshot

@@ -17,6 +17,7 @@ import pytest
 from glmvit_cupy import GlmVit, GlmVitError
 from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.hub import cache_root, resolve_model
+from glmvit_cupy.preprocess import PREPROCESSOR_FILE
 from glmvit_cupy.synthetic import write_checkpoint
 
 hub = pytest.importorskip("huggingface_hub")
@@ -45,6 +46,9 @@ def cache_repo(cache: Path, repo: str, source: Path, commit: str, refs: tuple[st
         assert not os.path.isabs(os.readlink(pointer))
     for ref in refs:
         _cache_commit_hash_for_specific_revision(str(storage), ref, commit)
+    if not (source / PREPROCESSOR_FILE).exists():  # what hf_hub_download records on the Hub's 404
+        (storage / ".no_exist" / commit).mkdir(parents=True, exist_ok=True)
+        (storage / ".no_exist" / commit / PREPROCESSOR_FILE).touch()
     return storage
 
 
@@ -107,7 +111,7 @@ def test_what_is_not_cached_fails_for_both(cache, full_ckpt):
 
 def test_a_partial_snapshot_names_only_the_towers_missing_shards(cache, full_ckpt):
     cache_repo(cache, REPO, full_ckpt, COMMITS[0], files=["config.json", "model.safetensors.index.json"])
-    with pytest.raises(GlmVitError, match=rf"lacks 2 file\(s\) the tower needs; fetch them: hf download {REPO} "
+    with pytest.raises(GlmVitError, match=rf"lacks 2 file\(s\) the model needs; fetch them: hf download {REPO} "
                                           rf"{SHARDS[0]} {SHARDS[1]}$"):
         resolve_model(REPO)
     cache_repo(cache, REPO, full_ckpt, COMMITS[0], files=[SHARDS[0]])
@@ -115,6 +119,23 @@ def test_a_partial_snapshot_names_only_the_towers_missing_shards(cache, full_ckp
         resolve_model(f"{REPO}@main")
     cache_repo(cache, REPO, full_ckpt, COMMITS[0], files=[SHARDS[1]])  # the text-only shard stays absent
     assert bind_checkpoint(resolve_model(REPO)).location.shards == [resolve_model(REPO) / s for s in SHARDS[:2]]
+
+
+def test_the_processor_config_is_known_absent_or_fetched(cache, full_ckpt, tmp_path):
+    """No preprocessor_config.json in the snapshot is fine only where the cache records the repo
+    has none (try_to_load_from_cache's _CACHED_NO_EXIST); where it says nothing (None), fetch it."""
+    storage = cache_repo(cache, REPO, full_ckpt, COMMITS[0])
+    assert hub.try_to_load_from_cache(REPO, PREPROCESSOR_FILE, cache_dir=cache) is hub._CACHED_NO_EXIST
+    resolve_model(REPO)
+    (storage / ".no_exist" / COMMITS[0] / PREPROCESSOR_FILE).unlink()
+    assert hub.try_to_load_from_cache(REPO, PREPROCESSOR_FILE, cache_dir=cache) is None
+    with pytest.raises(GlmVitError, match=rf"lacks 1 file\(s\) the model needs; fetch them: hf download {REPO} "
+                                          rf"{PREPROCESSOR_FILE}$"):
+        resolve_model(REPO)
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PREPROCESSOR_FILE).write_text('{"max_image_tokens": 99}')
+    cache_repo(cache, REPO, tmp_path / "p", COMMITS[0])
+    assert GlmVit.from_pretrained(REPO, backend="numpy").processor.max_image_tokens == 99
 
 
 @pytest.mark.parametrize("text", ["../ckpt", "org/na--me", "org/name.git", "org/-name", "a/b/c", "org/café", "org/x@"])
