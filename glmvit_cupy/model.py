@@ -23,9 +23,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checkpoint import TowerWeights, bind_checkpoint
-from .hub import resolve_model
 from .errors import GlmVitError
 from .geometry import GlmVitGeometry, patch_budget
+from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
 from .preprocess import ImageLike, ProcessorConfig, preprocess, processor_config, with_settings
 
