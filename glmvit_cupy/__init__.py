@@ -15,13 +15,20 @@ Layout, one concern a module:
   scratch     GlmVitScratch, the engine's preallocated device buffers
   kernels     loading cuda_src/*.cu as CuPy RawModules
   cublas      the cuBLAS GEMM wrapper (graph-capturable)
-  model       GlmVit: from_pretrained / forward / encode over either backend
+  model       GlmVit: from_pretrained / forward / encode / encode_iter over either backend
+  sources     command-line inputs (files, directories, patterns, lists, tar shards) -> sources
+  pipeline    the streaming pipeline: decode workers, packing, in-order results, collection runs
+  staging     batches of uint8 canvases to an engine and back: pinned buffers, a copy stream
+  shards      the resumable output directory (safetensors shards + jsonl metadata), read_embeddings
+  progress    the bar / log lines of a collection run
 """
 
 from .errors import GlmVitError
 from .geometry import GlmVitGeometry, load_geometry
 from .model import GlmVit, GlmVitOutput
 from .preprocess import preprocess
+from .shards import read_embeddings
 
-__all__ = ["GlmVit", "GlmVitError", "GlmVitGeometry", "GlmVitOutput", "load_geometry", "preprocess"]
+__all__ = ["GlmVit", "GlmVitError", "GlmVitGeometry", "GlmVitOutput", "load_geometry", "preprocess",
+           "read_embeddings"]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ view, and the whole arena goes to the device in one copy.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -131,6 +132,11 @@ class TowerWeights:
     arena: np.ndarray  # uint16, all tensors, ARENA_ALIGN-aligned groups
     offsets: dict[str, int]  # short name -> element offset in the arena
     bytes_read: int
+
+    def fingerprint(self) -> str:
+        """A short hash of a strided sample of the tower's bytes: tells two towers apart (an
+        output directory records it) without reading the whole arena again."""
+        return hashlib.sha256(np.ascontiguousarray(self.arena[::997]).tobytes()).hexdigest()[:16]
 
     def raw(self, name: str) -> np.ndarray:
         """The BF16 bits of one tensor as uint16, in its read shape (a view, no copy)."""

@@ -18,16 +18,19 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
+from PIL import Image
 
 from .checkpoint import TowerWeights, bind_checkpoint
 from .errors import GlmVitError
 from .geometry import GlmVitGeometry, patch_budget
 from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
-from .preprocess import ImageLike, ProcessorConfig, preprocess, processor_config, with_settings
+from .pipeline import DEFAULT_WORKERS, Decoder, stream
+from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, processor_config,
+                         with_settings)
 
 BACKENDS = ("auto", "numpy", "cupy")
 
@@ -82,27 +85,19 @@ def _choose_backend(backend: str) -> tuple[str, str]:
     return "cupy", ""
 
 
-def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
-    """The processor must cut the patches the tower embeds (transformers would fail later, on a
-    shape mismatch inside the model)."""
-    for mine, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
-                         ("merge_size", "spatial_merge_size")):
-        if getattr(processor, mine) != getattr(geo, theirs):
-            raise GlmVitError(f"processor {mine} {getattr(processor, mine)} disagrees with the tower's "
-                              f"{theirs} {getattr(geo, theirs)} (config.json): fix preprocessor_config.json "
-                              "or the option")
-
-
 class GlmVit:
     """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend."""
 
-    def __init__(self, tower: Any, backend: str, backend_note: str, processor: ProcessorConfig) -> None:
+    def __init__(self, tower: Any, backend: str, backend_note: str, fingerprint: str,
+                 processor: ProcessorConfig) -> None:
         self.tower = tower
         self.backend = backend
         self.backend_note = backend_note  # why this backend (for the CLI's one-line notice)
         self.geometry: GlmVitGeometry = tower.geo
+        self.fingerprint = fingerprint  # of the tower's bytes: output directories record it
         check_processor(processor, self.geometry)
         self.processor = processor
+        self._pool: Decoder | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
@@ -138,13 +133,14 @@ class GlmVit:
         p_max = patch_budget(weights.location.geometry, max_pixels)
         if processor is None:
             processor, _ = processor_config(weights.location.shards[0].parent)
+        fingerprint = weights.fingerprint()
         if backend == "numpy":
             from .reference import NumpyTower
-            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, processor)
+            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint, processor)
         from .engine import CupyTower
         options = {} if attention is None else {"attention": attention}
-        return cls(CupyTower(weights, p_max, runtime=runtime, device=device, **options), "cupy", note or auto_note,
-                   processor)
+        tower = CupyTower(weights, p_max, runtime=runtime, device=device, **options)
+        return cls(tower, "cupy", note or auto_note, fingerprint, processor)
 
     @property
     def p_max(self) -> int:
@@ -167,23 +163,53 @@ class GlmVit:
         last_hidden, pooler = self.tower.forward(pixel_values, grid)
         return GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
 
-    def encode(self, images: ImageLike | Sequence[ImageLike], **settings: Any) -> list[GlmVitOutput]:
-        """Preprocess (with `vit.processor`, `settings` overriding its fields for this call; None
-        leaves one alone) and encode images; one GlmVitOutput per image, in order. Images are
-        packed into forward calls of at most p_max patches each."""
-        if isinstance(images, (str, Path, np.ndarray)) or not isinstance(images, Sequence):
+    def encode_iter(self, images: Iterable[ImageLike], *, workers: int | None = None,
+                    min_image_tokens: int | None = None,
+                    max_image_tokens: int | None = None) -> Iterator[tuple[Any, GlmVitOutput]]:
+        """Yield (image, its GlmVitOutput) for each of `images` (paths, PIL images, HxWx3 uint8
+        arrays, or any iterable of them), in order, as they complete: decoding runs in `workers`
+        processes (default: all cores but one; 0: in this thread), images are packed into forward
+        calls of at most p_max patches, and memory stays bounded however many images come.
+        Outputs are float32 NumPy arrays on every backend. A failing image raises GlmVitError
+        naming it, after every image before it was yielded."""
+        processor = self._processor(min_image_tokens, max_image_tokens)
+        n = DEFAULT_WORKERS if workers is None else workers
+        decoder = self._decoder(n, processor)
+        for result in stream(self, images, dtype="float32", processor=processor, decoder=decoder):
+            if result.error is not None:
+                raise GlmVitError(result.error)
+            one = np.array([0, len(result.arrays["pooler_output"])])
+            yield result.item, GlmVitOutput(result.arrays["last_hidden_state"], result.arrays["pooler_output"],
+                                            result.grid_thw[None], one)
+
+    def encode(self, images: ImageLike | Sequence[ImageLike], *, workers: int | None = None,
+               min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> list[GlmVitOutput]:
+        """Preprocess and encode images; one GlmVitOutput per image, in order (encode_iter)."""
+        if isinstance(images, (str, Path, np.ndarray, Image.Image, EncodedImage)):
             images = [images]
-        processor = with_settings(self.processor, **settings)
+        elif not isinstance(images, Iterable):
+            raise GlmVitError(f"cannot encode a {type(images).__name__}: pass a path, a PIL image, an HxWx3 "
+                              "uint8 array, or a list of them")
+        return [out for _, out in self.encode_iter(images, workers=workers, min_image_tokens=min_image_tokens,
+                                                    max_image_tokens=max_image_tokens)]
+
+    def _processor(self, min_image_tokens: int | None, max_image_tokens: int | None) -> ProcessorConfig:
+        """vit.processor with this call's budget (None: the processor's own)."""
+        processor = with_settings(self.processor, min_image_tokens=min_image_tokens,
+                                  max_image_tokens=max_image_tokens)
         check_processor(processor, self.geometry)
-        prepared = [preprocess(img, processor) for img in images]
-        results: list[GlmVitOutput] = []
-        batch: list[tuple[np.ndarray, np.ndarray]] = []
-        for item in prepared + [None]:
-            full = batch and item is not None and sum(len(p) for p, _ in batch) + len(item[0]) > self.p_max
-            if batch and (item is None or full):
-                out = self.forward(np.concatenate([p for p, _ in batch]), np.concatenate([g for _, g in batch]))
-                results.extend(out.split())
-                batch = []
-            if item is not None:
-                batch.append(item)
-        return results
+        return processor
+
+    def _decoder(self, workers: int, processor: ProcessorConfig) -> Decoder:
+        """The decode pool, kept across calls (a service encoding a request at a time pays for
+        starting the processes once)."""
+        if self._pool is None or (self._pool.workers, self._pool.processor) != (workers, processor):
+            self.close()
+            self._pool = Decoder(workers, processor)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the decode workers (they also stop when the process exits)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

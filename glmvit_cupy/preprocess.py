@@ -1,6 +1,6 @@
 """Images -> (pixel_values, grid_thw), exactly as transformers' `Glm5NextImageProcessorPil`.
 
-A path is opened as transformers' `load_image` opens it (the processor does so for a path):
+A path (or an `EncodedImage`, a file's bytes) is opened as transformers' `load_image` opens a path:
 Pillow's first frame, `ImageOps.exif_transpose`, then `convert("RGB")`, which drops alpha
 rather than compositing it. A PIL image or an array goes to the processor as it is.
 `ProcessorConfig` holds every setting the processor takes from a `preprocessor_config.json`;
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import math
 from pathlib import Path
@@ -31,12 +32,12 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import GlmVitError
-from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
+from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-ImageLike = Union[str, Path, Image.Image, np.ndarray]
+ImageLike = Union[str, Path, Image.Image, np.ndarray, "EncodedImage"]
 PREPROCESSOR_FILE = "preprocessor_config.json"  # the processor's settings, beside the weights
 
 
@@ -153,6 +154,17 @@ def processor_config(model_dir: str | Path | None = None,
         raise GlmVitError(f"{where}: {exc}") from None
 
 
+def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
+    """The processor must cut the patches the tower embeds (transformers would fail later, on a
+    shape mismatch inside the model)."""
+    for mine, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                         ("merge_size", "spatial_merge_size")):
+        if getattr(processor, mine) != getattr(geo, theirs):
+            raise GlmVitError(f"processor {mine} {getattr(processor, mine)} disagrees with the tower's "
+                              f"{theirs} {getattr(geo, theirs)} (config.json): fix preprocessor_config.json "
+                              "or the option")
+
+
 def smart_resize(height: int, width: int, *, factor: int = 28, temporal_factor: int = 2,
                  min_image_tokens: int = MIN_IMAGE_TOKENS,
                  max_image_tokens: int = MAX_IMAGE_TOKENS) -> tuple[int, int]:
@@ -188,6 +200,15 @@ def smart_resize(height: int, width: int, *, factor: int = 28, temporal_factor: 
     return out_h, out_w
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedImage:
+    """The bytes of an image file (from a tar shard, a request body), named for messages; read
+    exactly as the same file on disk would be."""
+
+    name: str
+    data: bytes
+
+
 def load_rgb(image: ImageLike, convert_rgb: bool = True) -> Image.Image:
     """Any accepted input as the RGB PIL image the processor works on; file errors become
     one-line GlmVitErrors. `convert_rgb` is the processor's do_convert_rgb."""
@@ -196,8 +217,8 @@ def load_rgb(image: ImageLike, convert_rgb: bool = True) -> Image.Image:
             raise GlmVitError(f"image array has shape {list(image.shape)} and dtype {image.dtype}, "
                               "expected HxWx3 uint8")
         return Image.fromarray(np.ascontiguousarray(image))
-    if isinstance(image, (str, Path)):
-        image = open_image(Path(image))
+    if isinstance(image, (str, Path, EncodedImage)):
+        image = open_image(image)
     elif not isinstance(image, Image.Image):
         raise GlmVitError(f"cannot encode a {type(image).__name__}: pass a path, a PIL image or an "
                           "HxWx3 uint8 array")
@@ -208,19 +229,21 @@ def load_rgb(image: ImageLike, convert_rgb: bool = True) -> Image.Image:
     return image
 
 
-def open_image(path: Path) -> Image.Image:
-    """The file as transformers' load_image opens it: the first frame of a multi-frame file,
-    turned upright by its EXIF orientation, then PIL's own convert("RGB") (alpha dropped)."""
+def open_image(image: str | Path | EncodedImage) -> Image.Image:
+    """A file (or its bytes) as transformers' load_image opens it: the first frame of a
+    multi-frame file, turned upright by its EXIF orientation, then PIL's own convert("RGB")
+    (alpha dropped)."""
+    name, file = (image.name, io.BytesIO(image.data)) if isinstance(image, EncodedImage) else (image, Path(image))
     try:
-        with Image.open(path) as opened:
+        with Image.open(file) as opened:
             upright = ImageOps.exif_transpose(opened)  # decodes now: a truncated file fails here
             return upright.convert("RGB")
     except FileNotFoundError:
-        raise GlmVitError(f"{path}: no such image file") from None
+        raise GlmVitError(f"{name}: no such image file") from None
     except UnidentifiedImageError:
-        raise GlmVitError(f"{path}: not an image PIL can decode") from None
+        raise GlmVitError(f"{name}: not an image PIL can decode") from None
     except (OSError, ValueError, SyntaxError) as exc:
-        raise GlmVitError(f"{path}: cannot decode image: {exc}") from None
+        raise GlmVitError(f"{name}: cannot decode image: {exc}") from None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -299,7 +322,7 @@ def preprocess(images: ImageLike | Sequence[ImageLike], config: ProcessorConfig 
     """One image or a list -> (pixel_values float32 [P, 1176], grid_thw int64 [N, 3]).
     `settings` override fields of `config` (default: the processor's defaults)."""
     config = with_settings(config or ProcessorConfig(), **settings)
-    if isinstance(images, (str, Path, Image.Image, np.ndarray)):
+    if isinstance(images, (str, Path, Image.Image, np.ndarray, EncodedImage)):
         images = [images]
     if len(images) == 0:
         raise GlmVitError("no images to preprocess")

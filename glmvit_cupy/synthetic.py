@@ -22,6 +22,7 @@ import numpy as np
 from .checkpoint import INDEX_FILE, SINGLE_FILE, tower_shapes
 from .errors import GlmVitError
 from .geometry import REAL, GlmVitGeometry, vision_config
+from .reference import f32_to_bf16_bits
 from .writer import ITEMSIZE, write_safetensors
 
 GEOMETRIES = {
@@ -42,12 +43,6 @@ LAYOUTS = {
 }
 _NORMS = ("norm1.weight", "norm2.weight", "q_norm.weight", "k_norm.weight",
           "post_layernorm.weight", "post_projection_norm.weight")
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def _stored_shape(name: str, read_shape: tuple[int, ...], geo: GlmVitGeometry) -> list[int]:
