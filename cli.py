@@ -24,6 +24,8 @@ from glmvit_cupy.pipeline import DEFAULT_WORKERS, OUTPUTS
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.staging import DTYPES
 
+MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
+              "org/name[@revision] already in the local cache (never downloaded).")
 DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way redoes
 
 
@@ -79,6 +81,21 @@ def to_numpy(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
+def processor_options(command: Callable) -> Callable:
+    """The processor settings the command line overrides (each command takes them the same way)."""
+    options = [
+        click.option("--min-image-tokens", type=click.IntRange(min=1), default=None,
+                     help="Smaller images are enlarged to at least this many merged tokens. [default: "
+                          f"the checkpoint's preprocessor_config.json, else {MIN_IMAGE_TOKENS}]"),
+        click.option("--max-image-tokens", type=click.IntRange(min=1), default=None,
+                     help="Larger images are shrunk to at most this many merged tokens. [default: "
+                          f"the checkpoint's preprocessor_config.json, else {MAX_IMAGE_TOKENS}]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="glmvit-cupy")
 def main() -> None:
@@ -102,8 +119,7 @@ encodes only what is missing.""")
 @click.argument("inputs", nargs=-1, type=str)
 @click.option("--files-from", "files_from", metavar="LIST", default=None,
               help="Read more inputs from LIST, one a line ('-': standard input).")
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory (config.json + safetensors shards).")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--out", "out_path", type=click.Path(path_type=Path), default=None,
               help="Output file for a few images: .npy (one image, one output) or .npz (float32).")
 @click.option("--out-dir", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=None,
@@ -124,15 +140,12 @@ encodes only what is missing.""")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Pixel budget of one forward call, all images packed into it together (sizes the "
                    "GPU scratch). [default: one image of --max-image-tokens]")
-@click.option("--min-image-tokens", type=click.IntRange(min=1), default=MIN_IMAGE_TOKENS, show_default=True,
-              help="Smaller images are enlarged to at least this many merged tokens.")
-@click.option("--max-image-tokens", type=click.IntRange(min=1), default=MAX_IMAGE_TOKENS, show_default=True,
-              help="Larger images are shrunk to at most this many merged tokens.")
+@processor_options
 @user_errors
-def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: Path, out_path: Path | None,
+def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_path: Path | None,
            out_dir: Path | None, backend: str, which: str, dtype: str | None, shard_size: int, workers: int,
-           fail_fast: bool, quiet: bool, max_pixels: int | None, min_image_tokens: int,
-           max_image_tokens: int) -> None:
+           fail_fast: bool, quiet: bool, max_pixels: int | None, min_image_tokens: int | None,
+           max_image_tokens: int | None) -> None:
     """Encode images (INPUTS: files, directories, quoted glob patterns, .tar shards) into
     embeddings.
 
@@ -147,8 +160,9 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: Path, out
     status non-zero; the rest are encoded.
     """
     from glmvit_cupy import GlmVit, load_geometry
+    from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.pipeline import Decoder
-    from glmvit_cupy.preprocess import ProcessorConfig
+    from glmvit_cupy.preprocess import check_processor, processor_config
     from glmvit_cupy.sources import expand_inputs
 
     if (out_path is None) == (out_dir is None):
@@ -164,14 +178,14 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: Path, out
     if out_path is not None and out_path.suffix.lower() == ".npy" and len(sources) > 1:
         raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
 
-    geo = load_geometry(model_dir)
-    processor = ProcessorConfig(patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
-                                merge_size=geo.spatial_merge_size, min_image_tokens=min_image_tokens,
-                                max_image_tokens=max_image_tokens)
+    directory = resolve_model(model_dir)
+    budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    processor, _ = processor_config(directory, **budget)
+    check_processor(processor, load_geometry(directory))
     decoder = Decoder(min(workers, len(sources)), processor)
     decoder.start()  # the workers come up while the tower is read
     try:
-        vit = GlmVit.from_pretrained(model_dir, backend=backend, max_pixels=max_pixels)
+        vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, **budget)
         if vit.backend_note and vit.backend == "numpy":
             click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
         if out_path is not None:
@@ -246,25 +260,35 @@ def _interrupt(signum, frame) -> None:
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory.")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for.")
+@processor_options
 @user_errors
-def info(model_dir: Path, max_pixels: int | None) -> None:
-    """Show the tower bound from a checkpoint (headers only; no tensor data is read)."""
+def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
+         max_image_tokens: int | None) -> None:
+    """Show the tower bound from a checkpoint (headers only; no tensor data is read) and the
+    image processor's settings in force, each with where it came from."""
+    from PIL import Image
+
     from glmvit_cupy.checkpoint import locate_tower
     from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.hub import resolve_model
+    from glmvit_cupy.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
     from glmvit_cupy.scratch import scratch_plan
 
-    loc = locate_tower(model_dir)
+    directory = resolve_model(model_dir)
+    loc = locate_tower(directory)
+    processor, sources = processor_config(directory, min_image_tokens=min_image_tokens,
+                                          max_image_tokens=max_image_tokens)
+    check_processor(processor, loc.geometry)
     geo = loc.geometry
     p_max = patch_budget(geo, max_pixels)
-    all_shards = sorted({p.name for p in model_dir.glob("*.safetensors")})
+    all_shards = sorted({p.name for p in directory.glob("*.safetensors")})
     read = [s.name for s in loc.shards]
     skipped = len(all_shards) - len(read)
     rows = [
-        ("checkpoint", str(model_dir)),
-        ("prefix", loc.prefix),
+        ("checkpoint", str(directory) + ("" if Path(model_dir) == directory else f" ({model_dir}, cached)")),
+        ("prefix", loc.prefix or "none (bare names, as Glm5NextVisionModel.save_pretrained writes them)"),
         ("tensors", f"{len(loc.entries)} BF16 (census of depth x 14 + 11 = {geo.tensor_count} complete)"),
         ("parameters", f"{geo.parameter_count:,}"),
         ("bytes", f"{loc.tower_bytes:,} ({loc.tower_bytes / 2**30:.2f} GiB)"),
@@ -278,10 +302,36 @@ def info(model_dir: Path, max_pixels: int | None) -> None:
                      f"rope_theta {geo.rope_theta:g}"),
         ("p_max", f"{p_max} patches per forward call"),
         ("gpu scratch", f"{scratch_plan(geo, p_max).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image)"),
+        ("processor", str(directory / PREPROCESSOR_FILE) if (directory / PREPROCESSOR_FILE).is_file()
+         else f"no {PREPROCESSOR_FILE}: transformers' defaults"),
     ]
+    for name, source in sources.items():
+        value = getattr(processor, name)
+        shown = f"{value} ({Image.Resampling(value).name.lower()})" if name == "resample" else str(value)
+        rows.append((f"  {name}", f"{shown}  [{source}]"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
+
+
+@main.command()
+@click.argument("source", metavar="SRC")
+@click.argument("destination", metavar="DST", type=click.Path(path_type=Path))
+@user_errors
+def extract(source: str, destination: Path) -> None:
+    """Write the tower of SRC as a vision-only checkpoint in the new directory DST.
+
+    SRC is anything --model takes (a checkpoint directory in any layout, or a repo id in the
+    local Hugging Face cache). DST gets config.json (model_type glm5_next_vision),
+    model.safetensors (the tower's tensors under the bare names Glm5NextVisionModel's
+    save_pretrained writes, bits unchanged) and SRC's preprocessor_config.json when it has one.
+    Only the tower's bytes are read; DST appears whole or not at all.
+    """
+    from glmvit_cupy.extract import extract_tower
+
+    done = extract_tower(source, destination)
+    click.echo(f"{done.destination}: {len(done.location.entries)} BF16 tensors ({done.bytes_read / 2**20:.1f} MiB "
+               f"read from {len(done.location.shards)} shard(s) of {done.source}); {', '.join(done.files)}")
 
 
 @main.command("make-checkpoint")
@@ -307,8 +357,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory.")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--image-size", "sizes", multiple=True, type=click.IntRange(min=28), default=(448,), show_default=True,
               help="Square image side in pixels; repeat for several cases.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -317,7 +366,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
               help="flash: the fused kernel; naive: materialised scores (the cross-check).")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per case.")
 @user_errors
-def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
+def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
     """Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.
 
     Forward only (preprocessing and the pixel upload excluded), median of CUDA-event timings
@@ -328,6 +377,7 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
     from glmvit_cupy import GlmVit, load_geometry, preprocess
     from glmvit_cupy.benchmark import cublas_peak, time_engine
     from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
 
     ok, why = gpu_available()
@@ -335,14 +385,15 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
         raise GlmVitError(f"bench needs a CUDA GPU: {why}")
     import cupy
 
+    directory = resolve_model(model_dir)
     rng = np.random.default_rng(0)
     cases = []
     for size in sizes:
         image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
         cases.append((size, preprocess([image] * batch)))
-    geo = load_geometry(model_dir)
+    geo = load_geometry(directory)
     most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
-    vit = GlmVit.from_pretrained(model_dir, backend="cupy", attention=attention,
+    vit = GlmVit.from_pretrained(directory, backend="cupy", attention=attention,
                                  max_pixels=max(most, patch_budget(geo)) * geo.patch_size ** 2)
     peak = cublas_peak()
     click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak.burst:.0f} TFLOP/s in a burst, {peak.sustained:.0f} "

@@ -2,9 +2,13 @@
 
 Layout, one concern a module:
   geometry    GlmVitGeometry, read from config.json and validated once
+  hub         a model reference -> a directory (Hugging Face repo ids from the local cache)
   checkpoint  binding the tower's BF16 tensors (and only those) out of safetensors shards
+  extract     the tower alone as a vision-only checkpoint transformers loads
+  writer      writing safetensors files and whole directories atomically
   synthetic   writing real-layout checkpoints with random weights (tests, benchmarks, demos)
-  preprocess  images -> pixel_values, grid_thw (transformers' Glm5NextImageProcessorPil)
+  preprocess  images -> pixel_values, grid_thw (transformers' Glm5NextImageProcessorPil), and
+              the processor's preprocessor_config.json
   layout      positions, attention segments, RoPE frequencies (shared by both backends)
   reference   the float32 NumPy forward: the readable statement of the math
   engine      the CuPy forward: cuBLAS BF16 GEMMs + the kernels in cuda_src/

@@ -1,8 +1,11 @@
 """`GlmVit`: the library API over either backend.
 
-    vit = GlmVit.from_pretrained("ckpt/", backend="auto")
+    vit = GlmVit.from_pretrained("ckpt/", backend="auto")   # or "org/name" from the HF cache
     out = vit.forward(pixel_values, grid_thw)      # .last_hidden_state, .pooler_output
     per_image = vit.encode(["a.png", "b.jpg"])     # preprocessing + forward, one result each
+
+`vit.processor` is the image processor's settings: the checkpoint's preprocessor_config.json
+where it has one, keyword arguments of `from_pretrained` overriding it.
 
 `backend="numpy"` runs the float32 reference (`reference.py`) on the CPU; `"cupy"` runs the
 GPU engine (`engine.py`); `"auto"` takes the GPU when CuPy sees one. Outputs are float32
@@ -23,9 +26,11 @@ from PIL import Image
 from .checkpoint import TowerWeights, bind_checkpoint
 from .errors import GlmVitError
 from .geometry import GlmVitGeometry, patch_budget
+from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
 from .pipeline import DEFAULT_WORKERS, Decoder, stream
-from .preprocess import EncodedImage, ImageLike, ProcessorConfig
+from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, processor_config,
+                         with_settings)
 
 BACKENDS = ("auto", "numpy", "cupy")
 
@@ -84,49 +89,58 @@ class GlmVit:
     """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend."""
 
     def __init__(self, tower: Any, backend: str, backend_note: str, fingerprint: str,
-                 processor: ProcessorConfig | None = None) -> None:
+                 processor: ProcessorConfig) -> None:
         self.tower = tower
         self.backend = backend
         self.backend_note = backend_note  # why this backend (for the CLI's one-line notice)
         self.geometry: GlmVitGeometry = tower.geo
         self.fingerprint = fingerprint  # of the tower's bytes: output directories record it
-        self.processor = processor or ProcessorConfig(patch_size=tower.geo.patch_size,
-                                                      temporal_patch_size=tower.geo.temporal_patch_size,
-                                                      merge_size=tower.geo.spatial_merge_size)
+        check_processor(processor, self.geometry)
+        self.processor = processor
         self._pool: Decoder | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
-                        attention: str | None = None, device: int | None = None) -> GlmVit:
-        """Bind the tower in `path`. `max_pixels` is the pixel budget of one forward call (all
-        images together) and sizes the GPU scratch; `attention` ("flash" or "naive", the
-        materialised-score cross-check; default: the engine's choice for the head_dim) and
-        `device` (a CUDA device index; default: the current one) apply to the GPU engine."""
+                        attention: str | None = None, device: int | None = None,
+                        **processor_settings: Any) -> GlmVit:
+        """Bind the tower in `path`: a checkpoint directory, or a Hugging Face repo id
+        (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels`
+        is the pixel budget of one forward call (all images together) and sizes the GPU
+        scratch; `attention` ("flash" or "naive", the materialised-score cross-check; default:
+        the engine's choice for the head_dim) and `device` (a CUDA device index; default: the
+        current one) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
+        leaves one alone) override the checkpoint's preprocessor_config.json."""
         backend, note = _choose_backend(backend)
+        directory = resolve_model(path)
+        processor, _ = processor_config(directory, **processor_settings)
         if backend == "numpy":
-            return cls.from_weights(bind_checkpoint(path), "numpy", max_pixels, note=note)
+            return cls.from_weights(bind_checkpoint(directory), "numpy", max_pixels, note=note, processor=processor)
         from .engine import CupyRuntime
         with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
             runtime = pool.submit(CupyRuntime, device)
-            weights = bind_checkpoint(path)
-            return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note)
+            weights = bind_checkpoint(directory)
+            return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note,
+                                    processor=processor)
 
     @classmethod
     def from_weights(cls, weights: TowerWeights, backend: str = "auto", max_pixels: int | None = None,
                      attention: str | None = None, device: int | None = None, runtime: Any = None,
-                     note: str = "") -> GlmVit:
+                     note: str = "", processor: ProcessorConfig | None = None) -> GlmVit:
         """An engine over weights already bound (`checkpoint.bind_checkpoint`): several engines,
-        with their own budgets and devices, can share one read of the tower."""
+        with their own budgets and devices, can share one read of the tower. `processor`
+        defaults to the settings of the checkpoint's own directory (`processor_config`)."""
         backend, auto_note = _choose_backend(backend)
         p_max = patch_budget(weights.location.geometry, max_pixels)
+        if processor is None:
+            processor, _ = processor_config(weights.location.shards[0].parent)
         fingerprint = weights.fingerprint()
         if backend == "numpy":
             from .reference import NumpyTower
-            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint)
+            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint, processor)
         from .engine import CupyTower
         options = {} if attention is None else {"attention": attention}
         tower = CupyTower(weights, p_max, runtime=runtime, device=device, **options)
-        return cls(tower, "cupy", note or auto_note, fingerprint)
+        return cls(tower, "cupy", note or auto_note, fingerprint, processor)
 
     @property
     def p_max(self) -> int:
@@ -180,9 +194,11 @@ class GlmVit:
                                                     max_image_tokens=max_image_tokens)]
 
     def _processor(self, min_image_tokens: int | None, max_image_tokens: int | None) -> ProcessorConfig:
-        settings = {k: v for k, v in (("min_image_tokens", min_image_tokens),
-                                      ("max_image_tokens", max_image_tokens)) if v is not None}
-        return dataclasses.replace(self.processor, **settings)
+        """vit.processor with this call's budget (None: the processor's own)."""
+        processor = with_settings(self.processor, min_image_tokens=min_image_tokens,
+                                  max_image_tokens=max_image_tokens)
+        check_processor(processor, self.geometry)
+        return processor
 
     def _decoder(self, workers: int, processor: ProcessorConfig) -> Decoder:
         """The decode pool, kept across calls (a service encoding a request at a time pays for

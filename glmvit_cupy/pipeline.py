@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .errors import GlmVitError
-from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid
+from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
 from .staging import DTYPES, OUTPUT_NAMES, make_stager
@@ -176,14 +176,8 @@ def stream(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, 
            stats: StreamStats | None = None, decoder: Decoder | None = None) -> Iterator[Encoded]:
     """Encode `items` (sources, paths, PIL images or arrays) through `vit`, yielding one Encoded
     per item in input order. An output with a non-finite value is a failure of that image."""
-    processor = processor or ProcessorConfig()
-    geo = vit.geometry
-    if (processor.patch_size, processor.temporal_patch_size, processor.merge_size) != \
-            (geo.patch_size, geo.temporal_patch_size, geo.spatial_merge_size):
-        raise GlmVitError(
-            f"processor patch {processor.patch_size}, temporal {processor.temporal_patch_size}, merge "
-            f"{processor.merge_size} do not match the tower's {geo.patch_size}, {geo.temporal_patch_size}, "
-            f"{geo.spatial_merge_size}")
+    processor = processor or vit.processor
+    check_processor(processor, vit.geometry)
     if dtype not in DTYPES:
         raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     stats = stats if stats is not None else StreamStats()
@@ -279,7 +273,7 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
     """Encode `sources` into shards in `out_dir`, skipping those already there (resume).
     `progress` (progress.Progress) hears `start(inputs to do)`, then `(Encoded, stats)` per input."""
     outputs = OUTPUTS[output]
-    processor = processor or ProcessorConfig()
+    processor = processor or vit.processor
     metadata = {"format": FORMAT, "tower": vit.fingerprint, "outputs": ",".join(outputs),
                 "dtype": dtype, "processor": processor_json(processor)}
     start = time.perf_counter()

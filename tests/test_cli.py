@@ -136,6 +136,6 @@ def test_info_reads_headers_only(tiny_ckpt):
 
 
 def test_help_explains_each_command():
-    for command in ("encode", "info", "make-checkpoint"):
+    for command in ("encode", "info", "extract", "make-checkpoint"):
         proc = run(command, "--help")
         assert proc.returncode == 0 and "Usage:" in proc.stdout
