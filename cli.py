@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -17,17 +18,21 @@ from typing import Callable
 import click
 import numpy as np
 
-from glmvit_cupy.atomic import write_atomic
+from glmvit_cupy.writer import write_atomic
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
+from glmvit_cupy.pipeline import DEFAULT_WORKERS, OUTPUTS
+from glmvit_cupy.sources import IMAGE_EXTENSIONS
+from glmvit_cupy.staging import DTYPES
 
-OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",),
-           "both": ("pooler_output", "last_hidden_state")}
+MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
+              "org/name[@revision] already in the local cache (never downloaded).")
+DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way redoes
 
 
-def fail(message: str) -> None:
+def fail(message: str, status: int = 1) -> None:
     click.echo(f"glmvit-cupy: error: {message}", err=True)
-    sys.exit(1)
+    sys.exit(status)
 
 
 def user_errors(command: Callable) -> Callable:
@@ -66,6 +71,21 @@ def to_numpy(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
+def processor_options(command: Callable) -> Callable:
+    """The processor settings the command line overrides (each command takes them the same way)."""
+    options = [
+        click.option("--min-image-tokens", type=click.IntRange(min=1), default=None,
+                     help="Smaller images are enlarged to at least this many merged tokens. [default: "
+                          f"the checkpoint's preprocessor_config.json, else {MIN_IMAGE_TOKENS}]"),
+        click.option("--max-image-tokens", type=click.IntRange(min=1), default=None,
+                     help="Larger images are shrunk to at most this many merged tokens. [default: "
+                          f"the checkpoint's preprocessor_config.json, else {MAX_IMAGE_TOKENS}]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="glmvit-cupy")
 def main() -> None:
@@ -76,80 +96,189 @@ def main() -> None:
     """
 
 
-@main.command()
-@click.argument("images", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory (config.json + safetensors shards).")
-@click.option("--out", "out_path", required=True, type=click.Path(path_type=Path),
-              help="Output file: .npy (one image, one output) or .npz.")
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy encode photo.jpg --model ckpt --out emb.npy
+  glmvit-cupy encode a.png b.png --model ckpt --out embs.npz --output both
+  glmvit-cupy encode ~/photos --model ckpt --out-dir embs/
+  glmvit-cupy encode 'shots/**/*.jpg' data-{000..009}.tar --model ckpt --out-dir embs/
+  find /data -name '*.png' | glmvit-cupy encode --files-from - --model ckpt --out-dir embs/
+
+Re-running the same --out-dir command after an interruption (Ctrl-C, a kill, a crash)
+encodes only what is missing.""")
+@click.argument("inputs", nargs=-1, type=str)
+@click.option("--files-from", "files_from", metavar="LIST", default=None,
+              help="Read more inputs from LIST, one a line ('-': standard input).")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
+@click.option("--out", "out_path", type=click.Path(path_type=Path), default=None,
+              help="Output file for a few images: .npy (one image, one output) or .npz (float32).")
+@click.option("--out-dir", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Output directory for a collection: shards, resumable (see below).")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
               help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
 @click.option("--output", "which", type=click.Choice(list(OUTPUTS)), default="pooler", show_default=True,
               help="pooler: the merger's output (what the LM splices in); last_hidden: the "
-                   "downsample's output; both (needs .npz).")
+                   "downsample's output; both.")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+              help="Dtype of the shards' embeddings (--out-dir). [default: bfloat16, what the LM consumes]")
+@click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True,
+              help="Images per shard (--out-dir).")
+@click.option("--workers", type=click.IntRange(min=0), default=DEFAULT_WORKERS, show_default=True,
+              help="Decode processes (0: decode in the main process). [default: all cores but one]")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first input that fails (default: record it, go on).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress; only errors and the final summary line.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
-              help="Pixel budget of one forward call (sizes the GPU scratch). "
-                   "[default: one image of --max-image-tokens]")
-@click.option("--min-image-tokens", type=click.IntRange(min=1), default=MIN_IMAGE_TOKENS, show_default=True,
-              help="Smaller images are enlarged to at least this many merged tokens.")
-@click.option("--max-image-tokens", type=click.IntRange(min=1), default=MAX_IMAGE_TOKENS, show_default=True,
-              help="Larger images are shrunk to at most this many merged tokens.")
+              help="Pixel budget of one forward call, all images packed into it together (sizes the "
+                   "GPU scratch). [default: one image of --max-image-tokens]")
+@processor_options
 @user_errors
-def encode(images: tuple[Path, ...], model_dir: Path, out_path: Path, backend: str, which: str,
-           max_pixels: int | None, min_image_tokens: int, max_image_tokens: int) -> None:
-    """Encode IMAGES into embeddings written to --out.
+def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_path: Path | None,
+           out_dir: Path | None, backend: str, which: str, dtype: str | None, shard_size: int, workers: int,
+           fail_fast: bool, quiet: bool, max_pixels: int | None, min_image_tokens: int | None,
+           max_image_tokens: int | None) -> None:
+    """Encode images (INPUTS: files, directories, quoted glob patterns, .tar shards) into
+    embeddings.
 
-    One image with .npy gives float32 [tokens, out_hidden] of the chosen output. .npz holds
-    pooler_output and/or last_hidden_state (all images' tokens stacked), grid_thw [images, 3]
-    and offsets [images + 1] (image i owns rows offsets[i]:offsets[i+1]).
+    With --out, a few images into one file: .npy holds float32 [tokens, out_hidden] of one
+    image; .npz holds pooler_output and/or last_hidden_state (all images' tokens stacked),
+    grid_thw [images, 3] and offsets [images + 1] (image i owns rows offsets[i]:offsets[i+1]).
+
+    With --out-dir, a collection of any size, streamed: DIR/shard-00000.safetensors holds
+    the shard's images' rows ([tokens, out_hidden], --dtype), grid_thw and offsets;
+    DIR/shard-00000.jsonl one line an image (source, bytes, sha256, grid_thw, tokens,
+    rows). Inputs that fail to decode are listed in DIR/failures.jsonl and make the exit
+    status non-zero; the rest are encoded.
     """
-    from glmvit_cupy import GlmVit
+    from glmvit_cupy import GlmVit, load_geometry
+    from glmvit_cupy.hub import resolve_model
+    from glmvit_cupy.pipeline import Decoder
+    from glmvit_cupy.preprocess import check_processor, processor_config
+    from glmvit_cupy.sources import expand_inputs
 
+    if (out_path is None) == (out_dir is None):
+        raise GlmVitError("give exactly one of --out FILE (a few images) and --out-dir DIR (a collection)")
+    if not inputs and files_from is None:
+        raise GlmVitError("no inputs: name image files, directories, patterns or .tar shards, or --files-from")
+    if out_path is not None:
+        _check_single_output(out_path, which, dtype)
+    sources = expand_inputs(inputs, files_from)
+    if not sources:
+        raise GlmVitError("the inputs name no image (directories are searched for "
+                          f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if out_path is not None and out_path.suffix.lower() == ".npy" and len(sources) > 1:
+        raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
+
+    directory = resolve_model(model_dir)
+    budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    processor, _ = processor_config(directory, **budget)
+    check_processor(processor, load_geometry(directory))
+    decoder = Decoder(min(workers, len(sources)), processor)
+    decoder.start()  # the workers come up while the tower is read
+    try:
+        vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, **budget)
+        if vit.backend_note and vit.backend == "numpy":
+            click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
+        if out_path is not None:
+            _encode_to_file(vit, sources, out_path, which, decoder, processor)
+        else:
+            _encode_to_dir(vit, sources, out_dir, which, dtype or "bfloat16", shard_size, decoder, processor,
+                           fail_fast, quiet)
+    finally:
+        decoder.close()
+
+
+def _check_single_output(out_path: Path, which: str, dtype: str | None) -> None:
     suffix = out_path.suffix.lower()
     if suffix not in (".npy", ".npz"):
         raise GlmVitError(f"{out_path}: output must end in .npy or .npz")
-    if suffix == ".npy" and (len(images) > 1 or which == "both"):
+    if suffix == ".npy" and which == "both":
         raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
+    if dtype is not None:
+        raise GlmVitError("--dtype applies to --out-dir shards; .npy and .npz hold float32")
     check_writable(out_path)
 
-    vit = GlmVit.from_pretrained(model_dir, backend=backend, max_pixels=max_pixels)
-    if vit.backend_note and vit.backend == "numpy":
-        click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
-    results = vit.encode(list(images), min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
-    arrays = {name: np.concatenate([to_numpy(getattr(r, name)) for r in results]) for name in OUTPUTS[which]}
-    grid = np.concatenate([r.grid_thw for r in results])
-    counts = [len(to_numpy(r.pooler_output)) for r in results]
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
-    if suffix == ".npy":
+def _encode_to_file(vit, sources, out_path: Path, which: str, decoder, processor) -> None:
+    """A few images into one .npy/.npz, in memory; the first failure is the error."""
+    from glmvit_cupy.pipeline import stream
+
+    results = []
+    for result in stream(vit, sources, outputs=OUTPUTS[which], dtype="float32", processor=processor,
+                         decoder=decoder):
+        if result.error is not None:
+            raise GlmVitError(result.error)
+        results.append(result)
+    arrays = {name: np.concatenate([r.arrays[name] for r in results]) for name in OUTPUTS[which]}
+    grid = np.stack([r.grid_thw for r in results])
+    counts = [len(r.arrays[OUTPUTS[which][0]]) for r in results]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    if out_path.suffix.lower() == ".npy":
         write_atomic(out_path, lambda f: np.save(f, next(iter(arrays.values()))))
     else:
         write_atomic(out_path, lambda f: np.savez(f, **arrays, grid_thw=grid, offsets=offsets))
     shape = next(iter(arrays.values())).shape
-    click.echo(f"{out_path}: {len(images)} image(s), {shape[0]} tokens x {shape[1]} "
+    click.echo(f"{out_path}: {len(results)} image(s), {shape[0]} tokens x {shape[1]} "
                f"({', '.join(arrays)}), backend {vit.backend}", err=True)
 
 
+def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_size: int, decoder, processor,
+                   fail_fast: bool, quiet: bool) -> None:
+    """A collection into resumable shards, with progress and a summary line."""
+    from glmvit_cupy.pipeline import encode_collection
+    from glmvit_cupy.progress import Progress
+
+    progress = Progress(quiet)
+    signal.signal(signal.SIGTERM, _interrupt)  # a kill finishes the shard in flight, as Ctrl-C does
+    try:
+        summary = encode_collection(vit, sources, out_dir, shard_size=shard_size, output=which, dtype=dtype,
+                                    processor=processor, fail_fast=fail_fast, progress=progress, decoder=decoder)
+    except KeyboardInterrupt:
+        progress.close()
+        fail(f"interrupted after {progress.done} image(s); the finished shards are in {out_dir}: "
+             "run the same command again to encode the rest", status=130)
+    progress.close()
+    busy = "n/a (NumPy backend)" if summary.gpu_busy is None else f"{100 * summary.gpu_busy:.0f}%"
+    click.echo(f"glmvit-cupy: encoded {summary.encoded}, skipped {summary.skipped}, failed {summary.failed} in "
+               f"{summary.wall_s:.1f}s: {summary.images_per_s:.1f} images/s, {summary.tokens_per_s:,.0f} tokens/s, "
+               f"GPU busy {busy}", err=True)
+    if summary.failed:
+        fail(f"{summary.failed} input(s) failed; their reasons are in {out_dir / 'failures.jsonl'}")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory.")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for.")
+@processor_options
 @user_errors
-def info(model_dir: Path, max_pixels: int | None) -> None:
-    """Show the tower bound from a checkpoint (headers only; no tensor data is read)."""
+def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
+         max_image_tokens: int | None) -> None:
+    """Show the tower bound from a checkpoint (headers only; no tensor data is read) and the
+    image processor's settings in force, each with where it came from."""
+    from PIL import Image
+
     from glmvit_cupy.checkpoint import locate_tower
     from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.hub import resolve_model
+    from glmvit_cupy.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
     from glmvit_cupy.scratch import scratch_plan
 
-    loc = locate_tower(model_dir)
+    directory = resolve_model(model_dir)
+    loc = locate_tower(directory)
+    processor, sources = processor_config(directory, min_image_tokens=min_image_tokens,
+                                          max_image_tokens=max_image_tokens)
+    check_processor(processor, loc.geometry)
     geo = loc.geometry
     p_max = patch_budget(geo, max_pixels)
-    all_shards = sorted({p.name for p in model_dir.glob("*.safetensors")})
+    all_shards = sorted({p.name for p in directory.glob("*.safetensors")})
     read = [s.name for s in loc.shards]
     skipped = len(all_shards) - len(read)
     rows = [
-        ("checkpoint", str(model_dir)),
-        ("prefix", loc.prefix),
+        ("checkpoint", str(directory) + ("" if Path(model_dir) == directory else f" ({model_dir}, cached)")),
+        ("prefix", loc.prefix or "none (bare names, as Glm5NextVisionModel.save_pretrained writes them)"),
         ("tensors", f"{len(loc.entries)} BF16 (census of depth x 14 + 11 = {geo.tensor_count} complete)"),
         ("parameters", f"{geo.parameter_count:,}"),
         ("bytes", f"{loc.tower_bytes:,} ({loc.tower_bytes / 2**30:.2f} GiB)"),
@@ -163,10 +292,36 @@ def info(model_dir: Path, max_pixels: int | None) -> None:
                      f"rope_theta {geo.rope_theta:g}"),
         ("p_max", f"{p_max} patches per forward call"),
         ("gpu scratch", f"{scratch_plan(geo, p_max).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image)"),
+        ("processor", str(directory / PREPROCESSOR_FILE) if (directory / PREPROCESSOR_FILE).is_file()
+         else f"no {PREPROCESSOR_FILE}: transformers' defaults"),
     ]
+    for name, source in sources.items():
+        value = getattr(processor, name)
+        shown = f"{value} ({Image.Resampling(value).name.lower()})" if name == "resample" else str(value)
+        rows.append((f"  {name}", f"{shown}  [{source}]"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
+
+
+@main.command()
+@click.argument("source", metavar="SRC")
+@click.argument("destination", metavar="DST", type=click.Path(path_type=Path))
+@user_errors
+def extract(source: str, destination: Path) -> None:
+    """Write the tower of SRC as a vision-only checkpoint in the new directory DST.
+
+    SRC is anything --model takes (a checkpoint directory in any layout, or a repo id in the
+    local Hugging Face cache). DST gets config.json (model_type glm5_next_vision),
+    model.safetensors (the tower's tensors under the bare names Glm5NextVisionModel's
+    save_pretrained writes, bits unchanged) and SRC's preprocessor_config.json when it has one.
+    Only the tower's bytes are read; DST appears whole or not at all.
+    """
+    from glmvit_cupy.extract import extract_tower
+
+    done = extract_tower(source, destination)
+    click.echo(f"{done.destination}: {len(done.location.entries)} BF16 tensors ({done.bytes_read / 2**20:.1f} MiB "
+               f"read from {len(done.location.shards)} shard(s) of {done.source}); {', '.join(done.files)}")
 
 
 @main.command("make-checkpoint")
@@ -192,8 +347,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory.")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--image-size", "sizes", multiple=True, type=click.IntRange(min=28), default=(448,), show_default=True,
               help="Square image side in pixels; repeat for several cases.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -202,7 +356,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
               help="flash: the fused kernel; naive: materialised scores (the cross-check).")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per case.")
 @user_errors
-def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
+def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
     """Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.
 
     Forward only (preprocessing and the pixel upload excluded), median of CUDA-event timings
@@ -213,6 +367,7 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
     from glmvit_cupy import GlmVit, load_geometry, preprocess
     from glmvit_cupy.benchmark import cublas_peak, time_engine
     from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
 
     ok, why = gpu_available()
@@ -220,14 +375,15 @@ def bench(model_dir: Path, sizes: tuple[int, ...], batch: int, attention: str, i
         raise GlmVitError(f"bench needs a CUDA GPU: {why}")
     import cupy
 
+    directory = resolve_model(model_dir)
     rng = np.random.default_rng(0)
     cases = []
     for size in sizes:
         image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
         cases.append((size, preprocess([image] * batch)))
-    geo = load_geometry(model_dir)
+    geo = load_geometry(directory)
     most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
-    vit = GlmVit.from_pretrained(model_dir, backend="cupy", attention=attention,
+    vit = GlmVit.from_pretrained(directory, backend="cupy", attention=attention,
                                  max_pixels=max(most, patch_budget(geo)) * geo.patch_size ** 2)
     peak = cublas_peak()
     click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak.burst:.0f} TFLOP/s in a burst, {peak.sustained:.0f} "

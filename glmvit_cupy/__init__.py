@@ -2,22 +2,33 @@
 
 Layout, one concern a module:
   geometry    GlmVitGeometry, read from config.json and validated once
+  hub         a model reference -> a directory (Hugging Face repo ids from the local cache)
   checkpoint  binding the tower's BF16 tensors (and only those) out of safetensors shards
+  extract     the tower alone as a vision-only checkpoint transformers loads
+  writer      writing safetensors files and whole directories atomically
   synthetic   writing real-layout checkpoints with random weights (tests, benchmarks, demos)
-  preprocess  images -> pixel_values, grid_thw (transformers' Glm5NextImageProcessorPil)
+  preprocess  images -> pixel_values, grid_thw (transformers' Glm5NextImageProcessorPil), and
+              the processor's preprocessor_config.json
   layout      positions, attention segments, RoPE frequencies (shared by both backends)
   reference   the float32 NumPy forward: the readable statement of the math
   engine      the CuPy forward: cuBLAS BF16 GEMMs + the kernels in cuda_src/
   scratch     GlmVitScratch, the engine's preallocated device buffers
   kernels     loading cuda_src/*.cu as CuPy RawModules
   cublas      the cuBLAS GEMM wrapper (graph-capturable)
-  model       GlmVit: from_pretrained / forward / encode over either backend
+  model       GlmVit: from_pretrained / forward / encode / encode_iter over either backend
+  sources     command-line inputs (files, directories, patterns, lists, tar shards) -> sources
+  pipeline    the streaming pipeline: decode workers, packing, in-order results, collection runs
+  staging     batches of uint8 canvases to an engine and back: pinned buffers, a copy stream
+  shards      the resumable output directory (safetensors shards + jsonl metadata), read_embeddings
+  progress    the bar / log lines of a collection run
 """
 
 from .errors import GlmVitError
 from .geometry import GlmVitGeometry, load_geometry
 from .model import GlmVit, GlmVitOutput
 from .preprocess import preprocess
+from .shards import read_embeddings
 
-__all__ = ["GlmVit", "GlmVitError", "GlmVitGeometry", "GlmVitOutput", "load_geometry", "preprocess"]
+__all__ = ["GlmVit", "GlmVitError", "GlmVitGeometry", "GlmVitOutput", "load_geometry", "preprocess",
+           "read_embeddings"]
 __version__ = "0.1.0"

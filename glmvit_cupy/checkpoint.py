@@ -2,7 +2,8 @@
 
 A full GLM-5.3-Flash checkpoint is hundreds of GB, almost all of it the text/MoE stack
 (NVFP4 U8-packed weights and F8_E4M3 scales in the quantised export). The tower is 1.05 GiB
-of BF16 under one of three prefixes. So binding is two steps:
+of BF16 under one of three prefixes, or under none: `Glm5NextVisionModel.save_pretrained`
+writes the bare names (`blocks.0.attn.qkv.weight`). So binding is two steps:
 
 1. `locate_tower` reads config.json, the shard index and the JSON headers of the shards
    that hold tower tensors (never a byte of tensor data), probes the prefix, takes the
@@ -24,20 +25,23 @@ view, and the whole arena goes to the device in one copy.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterable, TypeVar
 
 import numpy as np
 
 from .errors import GlmVitError
 from .geometry import GlmVitGeometry, load_geometry
 
-TOWER_PREFIXES = ("model.visual", "model.language_model.visual", "visual")
+# Probed in this order; "" is the bare layout of a saved Glm5NextVisionModel, last because
+# only a vision-only file has a top-level patch_embed.
+TOWER_PREFIXES = ("model.visual", "model.language_model.visual", "visual", "")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -95,7 +99,8 @@ class TensorEntry:
     shard: Path
     offset: int  # absolute byte offset in the shard
     nbytes: int
-    shape: tuple[int, ...]  # as read (flattened), not as stored
+    shape: tuple[int, ...]  # as read (flattened)
+    stored_shape: tuple[int, ...]  # as the header has it (the convolutions keep their kernel axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +110,10 @@ class TowerLocation:
     geometry: GlmVitGeometry
     prefix: str
     entries: dict[str, TensorEntry]  # short name (no prefix) -> entry, in arena order
+
+    def name(self, short: str) -> str:
+        """A tower tensor's full name in this checkpoint."""
+        return tensor_name(self.prefix, short)
 
     @property
     def shards(self) -> list[Path]:
@@ -124,6 +133,11 @@ class TowerWeights:
     offsets: dict[str, int]  # short name -> element offset in the arena
     bytes_read: int
 
+    def fingerprint(self) -> str:
+        """A short hash of a strided sample of the tower's bytes: tells two towers apart (an
+        output directory records it) without reading the whole arena again."""
+        return hashlib.sha256(np.ascontiguousarray(self.arena[::997]).tobytes()).hexdigest()[:16]
+
     def raw(self, name: str) -> np.ndarray:
         """The BF16 bits of one tensor as uint16, in its read shape (a view, no copy)."""
         shape = self.location.entries[name].shape
@@ -136,6 +150,16 @@ class TowerWeights:
         start = self.offsets[first]
         assert self.offsets[second] == start + a.size, f"{second} does not follow {first}"
         return self.arena[start:start + a.size + b.size].reshape((a.shape[0] + b.shape[0],) + a.shape[1:])
+
+
+def tensor_name(prefix: str, short: str) -> str:
+    """`prefix.short`, or `short` alone under the bare layout (prefix "")."""
+    return f"{prefix}.{short}" if prefix else short
+
+
+def tower_tensor_names(names: Iterable[str], prefix: str) -> list[str]:
+    """The names under `prefix` (every name, for the bare layout: a vision-only file)."""
+    return [n for n in names if not prefix or n.startswith(prefix + ".")]
 
 
 # The header rules of the safetensors library (safetensors/src/tensor.rs: `read_metadata`,
@@ -296,7 +320,7 @@ def _read_header(shard: Path) -> tuple[dict[str, HeaderEntry], int, int]:
     return entries, 8 + n, size
 
 
-def _tensor_names(directory: Path) -> dict[str, Path]:
+def tensor_names(directory: Path) -> dict[str, Path]:
     """Every tensor name in the checkpoint -> its shard, from the index or the single file."""
     index = directory / INDEX_FILE
     if index.is_file():
@@ -312,31 +336,35 @@ def _tensor_names(directory: Path) -> dict[str, Path]:
     raise GlmVitError(f"{directory}: no safetensors checkpoint (expected {INDEX_FILE} or {SINGLE_FILE})")
 
 
-def _probe_prefix(names: dict[str, Path], directory: Path) -> str:
+def probe_prefix(names: Iterable[str], directory: Path) -> str:
+    """The prefix the tower's tensors carry (TOWER_PREFIXES), from the names alone."""
+    names = set(names)
     for prefix in TOWER_PREFIXES:
-        if f"{prefix}.patch_embed.proj.weight" in names:
+        if tensor_name(prefix, "patch_embed.proj.weight") in names:
             return prefix
     raise GlmVitError(
-        f"{directory}: no vision tower in the checkpoint (no *.patch_embed.proj.weight under "
-        f"{', '.join(TOWER_PREFIXES)}): a text-only export cannot encode images")
+        f"{directory}: no vision tower in the checkpoint (no patch_embed.proj.weight under "
+        f"{', '.join(p or '(no prefix)' for p in TOWER_PREFIXES)}): a text-only export cannot "
+        "encode images")
 
 
 def _census(names: dict[str, Path], prefix: str, expected: dict[str, tuple[int, ...]],
             directory: Path) -> None:
-    present = {n[len(prefix) + 1:] for n in names if n.startswith(prefix + ".")}
+    skip = len(prefix) + 1 if prefix else 0
+    present = {n[skip:] for n in tower_tensor_names(names, prefix)}
     missing = [n for n in expected if n not in present]
     unexpected = sorted(present - expected.keys())
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing ({', '.join(prefix + '.' + n for n in missing[:4])}"
+            parts.append(f"{len(missing)} missing ({', '.join(tensor_name(prefix, n) for n in missing[:4])}"
                          f"{', ...' if len(missing) > 4 else ''})")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected ({', '.join(prefix + '.' + n for n in unexpected[:4])}"
+            parts.append(f"{len(unexpected)} unexpected ({', '.join(tensor_name(prefix, n) for n in unexpected[:4])}"
                          f"{', ...' if len(unexpected) > 4 else ''})")
         raise GlmVitError(
             f"{directory}: tower census failed: config.json's geometry needs {len(expected)} tensors "
-            f"under {prefix}, found {len(present)}: {'; '.join(parts)}")
+            f"under {prefix or '(no prefix)'}, found {len(present)}: {'; '.join(parts)}")
 
 
 def locate_tower(model_dir: str | Path) -> TowerLocation:
@@ -345,15 +373,15 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
     if not directory.is_dir():
         raise GlmVitError(f"{directory}: not a directory")
     geo = load_geometry(directory)
-    names = _tensor_names(directory)
-    prefix = _probe_prefix(names, directory)
+    names = tensor_names(directory)
+    prefix = probe_prefix(names, directory)
     expected = tower_shapes(geo)
     _census(names, prefix, expected, directory)
 
     headers: dict[Path, tuple[dict[str, HeaderEntry], int, int]] = {}
     entries: dict[str, TensorEntry] = {}
     for short, want in expected.items():
-        name = f"{prefix}.{short}"
+        name = tensor_name(prefix, short)
         shard = names[name]
         if shard not in headers:
             headers[shard] = _read_header(shard)
@@ -375,7 +403,7 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
                 f"geometry expects {list(want)}")
         # The header's offsets agree with its shape and lie inside the file (_read_header).
         nbytes = meta.end - meta.begin
-        entries[short] = TensorEntry(shard, data_start + meta.begin, nbytes, want)
+        entries[short] = TensorEntry(shard, data_start + meta.begin, nbytes, want, tuple(shape))
     return TowerLocation(geo, prefix, entries)
 
 
@@ -434,7 +462,7 @@ def read_tower(location: TowerLocation) -> TowerWeights:
             except OSError as exc:
                 raise GlmVitError(f"{entry.shard}: read failed: {exc.strerror}") from None
             if n <= 0:
-                raise GlmVitError(f"{entry.shard}: {location.prefix}.{name} ends early (shard truncated "
+                raise GlmVitError(f"{entry.shard}: {location.name(name)} ends early (shard truncated "
                                   f"after {entry.offset + done} bytes)")
             done += n
         return done, nonfinite_values(np.frombuffer(dst, dtype=np.uint16))

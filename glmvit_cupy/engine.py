@@ -22,6 +22,7 @@ Everything runs on the engine's own stream; `forward` returns once the outputs a
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Callable
 
@@ -61,6 +62,20 @@ def bias_sums(weights: TowerWeights) -> np.ndarray:
         total += bf16_to_f32(weights.raw(f"blocks.{i}.mlp.down_proj.bias"))
     rows.append(total)
     return np.stack(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridTables:
+    """What one grid_thw needs besides the pixels: its attention segments and flash work list,
+    the tokens' RoPE positions and (Hopper) the TMA descriptor of its QKV rows. Building them
+    took 0.07 ms at 448 and 1.1 ms at 32x448, time the GPU would sit idle in front of a graph."""
+
+    key: bytes  # grid_thw.tobytes()
+    seen: bool  # built for an earlier call: a call without a graph captures one
+    segments: np.ndarray
+    work: FlashWork
+    positions: np.ndarray  # int32 [P, 2]
+    qkv_map: np.ndarray | None  # 128 bytes
 
 
 class CupyRuntime:
@@ -135,11 +150,8 @@ class CupyTower:
                                  if self.fused_mlp else None)  # [depth + 1, 128] bytes, the merger's last
         self.scratch: GlmVitScratch | None = None
         self.graphs: OrderedDict[bytes, cupy.cuda.graph.Graph] = OrderedDict()
-        # Per grid_thw: the host tables (segments, flash query tile and work list, RoPE positions),
-        # and which grid's tables the scratch holds now. Building and uploading them took 0.07 ms
-        # at 448 and 1.1 ms at 32x448 (numpy), time the GPU sat idle in front of a replayed graph.
-        # A grid with tables has been seen: its next call without a graph captures one.
-        self.tables: OrderedDict[bytes, tuple[np.ndarray, FlashWork, np.ndarray]] = OrderedDict()
+        # The host tables of the last grids, and which grid's the index slab holds now.
+        self.tables: OrderedDict[bytes, GridTables] = OrderedDict()
         self.uploaded: bytes | None = None
         self.stream.synchronize()
 
@@ -165,55 +177,74 @@ class CupyTower:
             return self._forward(pixel_values, grid_thw, marks)
 
     def _forward(self, pixel_values, grid_thw: np.ndarray, marks: Callable[[str], None] | None):
-        geo = self.geo
-        p = num_patches(grid_thw)
-        if p > self.p_max:
-            px = geo.patch_size ** 2
-            raise GlmVitError(
-                f"{p} patches exceed this engine's p_max of {self.p_max} (max_pixels {self.p_max * px}); "
-                f"raise it to at least {p * px} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
+        p = self.check_budget(grid_thw)
         s = self._scratch()
-        key = grid_thw.tobytes()
-        seen = key in self.tables
-        if not seen:
-            segments = frame_segments(grid_thw)
-            bm = self.k.flash_bm(segments[:, 1].tolist(), geo.num_heads)
-            self.tables[key] = (segments, flash_work_list(segments, bm, geo.num_heads, self.k.flash_slots(bm)),
-                                block_major_positions(grid_thw, geo.spatial_merge_size))
-            if len(self.tables) > MAX_GRAPHS:
-                self.tables.popitem(last=False)
-        self.tables.move_to_end(key)
-        segments, work, positions = self.tables[key]
-        m = p // geo.merge_unit
+        tables = self.grid_tables(grid_thw)
+        m = p // self.geo.merge_unit
         caller = cupy.cuda.get_current_stream()
         with self.stream:
             self.stream.wait_event(caller.record())
             pixels = cupy.ascontiguousarray(cupy.asarray(pixel_values, dtype=cupy.float32))
             # Outside any graph: the input array changes between calls, the tables between grids.
             self.k.f32_to_bf16(pixels, s.pixels[:p])
-            if self.uploaded != key:
-                s.positions[:p].set(positions, stream=self.stream)
-                s.tiles[:len(work.tiles)].set(work.tiles, stream=self.stream)
+            if self.uploaded != tables.key:
+                s.positions[:p].set(tables.positions, stream=self.stream)
+                s.tiles[:len(tables.work.tiles)].set(tables.work.tiles, stream=self.stream)
                 if self.k.hopper:
-                    s.qkv_map.set(self.k.qkv_map(s.qkv[:p]), stream=self.stream)
-                self.uploaded = key
-            if marks is not None:  # stage timing: always eager
-                self._body(p, segments, work, marks)
-            elif key in self.graphs:
-                self.graphs.move_to_end(key)
-                self.graphs[key].launch(self.stream)
-            elif seen:
-                self.stream.begin_capture()
-                self._body(p, segments, work, None)
-                graph = self.graphs[key] = self.stream.end_capture()
-                if len(self.graphs) > MAX_GRAPHS:
-                    self.graphs.popitem(last=False)
-                graph.launch(self.stream)
-            else:
-                self._body(p, segments, work, None)
+                    s.qkv_map.set(tables.qkv_map, stream=self.stream)
+                self.uploaded = tables.key
+            self.run(p, tables, marks)
             last_hidden, pooler = s.last_hidden[:m].copy(), s.pooler[:m].copy()
         self.stream.synchronize()
         return last_hidden, pooler
+
+    def check_budget(self, grid_thw: np.ndarray) -> int:
+        """The patch count of a grid, refused past this engine's p_max."""
+        p = num_patches(grid_thw)
+        if p > self.p_max:
+            px = self.geo.patch_size ** 2
+            raise GlmVitError(
+                f"{p} patches exceed this engine's p_max of {self.p_max} (max_pixels {self.p_max * px}); "
+                f"raise it to at least {p * px} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
+        return p
+
+    def grid_tables(self, grid_thw: np.ndarray) -> GridTables:
+        """The host tables of a grid (cached for the last MAX_GRAPHS grids): the index slab's
+        contents, which the caller uploads when `uploaded` is not this grid's key."""
+        key = grid_thw.tobytes()
+        if key in self.tables:
+            self.tables.move_to_end(key)
+            return dataclasses.replace(self.tables[key], seen=True)
+        geo, p = self.geo, num_patches(grid_thw)
+        segments = frame_segments(grid_thw)
+        bm = self.k.flash_bm(segments[:, 1].tolist(), geo.num_heads)
+        tables = GridTables(key, False, segments, flash_work_list(segments, bm, geo.num_heads, self.k.flash_slots(bm)),
+                            block_major_positions(grid_thw, geo.spatial_merge_size),
+                            self.k.qkv_map(self._scratch().qkv[:p]) if self.k.hopper else None)
+        self.tables[key] = tables
+        if len(self.tables) > MAX_GRAPHS:
+            self.tables.popitem(last=False)
+        return tables
+
+    def run(self, p: int, tables: GridTables, marks: Callable[[str], None] | None = None) -> None:
+        """The forward over the scratch's pixels and index slab (both in place), on self.stream:
+        replayed from a graph when this grid has one, captured when it was seen before, else
+        eager (the first image of a shape never waits on a capture)."""
+        key = tables.key
+        if marks is not None:  # stage timing: always eager
+            self._body(p, tables.segments, tables.work, marks)
+        elif key in self.graphs:
+            self.graphs.move_to_end(key)
+            self.graphs[key].launch(self.stream)
+        elif tables.seen:
+            self.stream.begin_capture()
+            self._body(p, tables.segments, tables.work, None)
+            graph = self.graphs[key] = self.stream.end_capture()
+            if len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+            graph.launch(self.stream)
+        else:
+            self._body(p, tables.segments, tables.work, None)
 
     def _body(self, p: int, segments: np.ndarray, work: FlashWork, marks) -> None:
         """Steps 1-8 of SPEC.md's forward pass: no allocation, no host sync (graph-capturable)."""

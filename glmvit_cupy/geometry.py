@@ -40,6 +40,8 @@ REAL: dict[str, Any] = dict(
     rope_theta=10000.0,
 )
 
+CONFIG_FILE = "config.json"
+
 # The preprocessor's token budget (merged tokens per image); it also sizes the GPU scratch.
 MIN_IMAGE_TOKENS = 16
 MAX_IMAGE_TOKENS = 8000
@@ -179,9 +181,27 @@ def geometry_from_vision_config(vision: dict[str, Any], where: str) -> GlmVitGeo
         raise GlmVitError(f"{where}: {exc}") from None
 
 
+def vision_config(geo: GlmVitGeometry) -> dict:
+    """The geometry as a vision-only config.json (model_type glm5_next_vision), every field
+    spelled out: a reader's own defaults never apply (transformers' out_hidden_size is not the
+    released tower's)."""
+    return {
+        "model_type": "glm5_next_vision", "depth": geo.depth, "hidden_size": geo.hidden_size,
+        "num_heads": geo.num_heads, "intermediate_size": geo.intermediate_size,
+        "in_channels": geo.in_channels, "patch_size": geo.patch_size,
+        "temporal_patch_size": geo.temporal_patch_size,
+        "spatial_merge_size": geo.spatial_merge_size, "out_hidden_size": geo.out_hidden_size,
+        "projection_intermediate_size": geo.projection_intermediate_size,
+        "rms_norm_eps": geo.rms_norm_eps, "swiglu_limit": geo.swiglu_limit,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": geo.rope_theta},
+        "hidden_act": "silu", "attention_bias": True, "attention_dropout": 0.0,
+        "image_size": 448, "initializer_range": 0.02,
+    }
+
+
 def load_geometry(model_dir: str | Path) -> GlmVitGeometry:
     """Read `model_dir/config.json` in either layout; refuse text-only and foreign configs."""
-    path = Path(model_dir) / "config.json"
+    path = Path(model_dir) / CONFIG_FILE
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:

@@ -117,7 +117,7 @@ class Kernels:
         device = cupy.cuda.Device()
         self.hopper = device.compute_capability == "90"
         flash = "flash_attention_sm90" if self.hopper else "flash_attention"
-        names = {"convert": ("f32_to_bf16",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
+        names = {"convert": ("f32_to_bf16", "f32_to_f16"), "patchify": ("patchify_u8",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
                  "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
                  "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
                  flash: tuple(_flash_name(flash, bm) for bm in FLASH_BM[flash])}
@@ -147,6 +147,18 @@ class Kernels:
     def f32_to_bf16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
         n4 = src.size // 4
         self._f["f32_to_bf16"](_grid(n4, 256), (256,), (src, dst, np.int64(n4)))
+
+    def f32_to_f16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
+        n4 = src.size // 4
+        self._f["f32_to_f16"](_grid(n4, 256), (256,), (src, dst, np.int64(n4)))
+
+    def patchify_u8(self, canvases: cupy.ndarray, images: cupy.ndarray, n_images: int, table: cupy.ndarray,
+                    out: cupy.ndarray, patch: int, temporal: int) -> None:
+        """out[P, 3 x temporal x patch^2] (BF16) from the uint8 canvases of a batch; images: int32
+        [n_images, 4] as patchify.cu describes, table float32 [3, 256]."""
+        self._f["patchify_u8"](_grid(out.shape[0], 1), (128,),
+                               (canvases, images, np.int32(n_images), table, out, np.int32(out.shape[0]),
+                                np.int32(patch), np.int32(temporal)))
 
     def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,
                      eps: float) -> None:

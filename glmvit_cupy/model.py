@@ -1,8 +1,11 @@
 """`GlmVit`: the library API over either backend.
 
-    vit = GlmVit.from_pretrained("ckpt/", backend="auto")
+    vit = GlmVit.from_pretrained("ckpt/", backend="auto")   # or "org/name" from the HF cache
     out = vit.forward(pixel_values, grid_thw)      # .last_hidden_state, .pooler_output
     per_image = vit.encode(["a.png", "b.jpg"])     # preprocessing + forward, one result each
+
+`vit.processor` is the image processor's settings: the checkpoint's preprocessor_config.json
+where it has one, keyword arguments of `from_pretrained` overriding it.
 
 `backend="numpy"` runs the float32 reference (`reference.py`) on the CPU; `"cupy"` runs the
 GPU engine (`engine.py`); `"auto"` takes the GPU when CuPy sees one. Outputs are float32
@@ -18,15 +21,19 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
+from PIL import Image
 
 from .checkpoint import TowerWeights, bind_checkpoint
 from .errors import GlmVitError
-from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry, patch_budget
+from .geometry import GlmVitGeometry, patch_budget
+from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
-from .preprocess import ImageLike, image_list, preprocess
+from .pipeline import DEFAULT_WORKERS, Decoder, stream
+from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, processor_config,
+                         with_settings)
 
 BACKENDS = ("auto", "numpy", "cupy")
 
@@ -116,47 +123,64 @@ class GlmVit:
     engine's scratch, CUDA graphs and uploaded tables are per engine); the NumPy backend keeps
     no state between calls, so its calls run concurrently."""
 
-    def __init__(self, tower: Any, backend: str, backend_note: str) -> None:
+    def __init__(self, tower: Any, backend: str, backend_note: str, fingerprint: str,
+                 processor: ProcessorConfig) -> None:
         self.tower = tower
         self.backend = backend
         self.backend_note = backend_note  # why this backend (for the CLI's one-line notice)
         self.geometry: GlmVitGeometry = tower.geo
+        self.fingerprint = fingerprint  # of the tower's bytes: output directories record it
+        check_processor(processor, self.geometry)
+        self.processor = processor
+        self._pool: Decoder | None = None
         self._turns = threading.Lock() if backend == "cupy" else contextlib.nullcontext()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
-                        attention: str | None = None, device: int | None = None) -> GlmVit:
-        """Bind the tower in `path`. `max_pixels` is the pixel budget of one forward call (all
-        images together) and sizes the GPU scratch; `attention` ("flash" or "naive", the
-        materialised-score cross-check; default: the engine's choice for the head_dim) and
-        `device` (a CUDA device index; default: the current one) apply to the GPU engine."""
-        _check_type("path", path, (str, os.PathLike), "a checkpoint directory (str or Path)")
+                        attention: str | None = None, device: int | None = None,
+                        **processor_settings: Any) -> GlmVit:
+        """Bind the tower in `path`: a checkpoint directory, or a Hugging Face repo id
+        (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels`
+        is the pixel budget of one forward call (all images together) and sizes the GPU
+        scratch; `attention` ("flash" or "naive", the materialised-score cross-check; default:
+        the engine's choice for the head_dim) and `device` (a CUDA device index; default: the
+        current one) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
+        leaves one alone) override the checkpoint's preprocessor_config.json."""
+        _check_type("path", path, (str, os.PathLike), "a checkpoint directory or a repo id (str or Path)")
         _check_options(max_pixels, attention, device)  # before the tower is read
         backend, note = _choose_backend(backend)
+        directory = resolve_model(path)
+        processor, _ = processor_config(directory, **processor_settings)
         if backend == "numpy":
-            return cls.from_weights(bind_checkpoint(path), "numpy", max_pixels, note=note)
+            return cls.from_weights(bind_checkpoint(directory), "numpy", max_pixels, note=note, processor=processor)
         from .engine import CupyRuntime
         with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
             runtime = pool.submit(CupyRuntime, device)
-            weights = bind_checkpoint(path)
-            return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note)
+            weights = bind_checkpoint(directory)
+            return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note,
+                                    processor=processor)
 
     @classmethod
     def from_weights(cls, weights: TowerWeights, backend: str = "auto", max_pixels: int | None = None,
                      attention: str | None = None, device: int | None = None, runtime: Any = None,
-                     note: str = "") -> GlmVit:
+                     note: str = "", processor: ProcessorConfig | None = None) -> GlmVit:
         """An engine over weights already bound (`checkpoint.bind_checkpoint`): several engines,
-        with their own budgets and devices, can share one read of the tower."""
+        with their own budgets and devices, can share one read of the tower. `processor`
+        defaults to the settings of the checkpoint's own directory (`processor_config`)."""
         _check_type("weights", weights, (TowerWeights,), "TowerWeights (checkpoint.bind_checkpoint)")
         _check_options(max_pixels, attention, device)
         backend, auto_note = _choose_backend(backend)
         p_max = patch_budget(weights.location.geometry, max_pixels)
+        if processor is None:
+            processor, _ = processor_config(weights.location.shards[0].parent)
+        fingerprint = weights.fingerprint()
         if backend == "numpy":
             from .reference import NumpyTower
-            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note)
+            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint, processor)
         from .engine import CupyTower
         options = {} if attention is None else {"attention": attention}
-        return cls(CupyTower(weights, p_max, runtime=runtime, device=device, **options), "cupy", note or auto_note)
+        tower = CupyTower(weights, p_max, runtime=runtime, device=device, **options)
+        return cls(tower, "cupy", note or auto_note, fingerprint, processor)
 
     @property
     def p_max(self) -> int:
@@ -205,28 +229,53 @@ class GlmVit:
             last_hidden, pooler = self.tower.forward(pixel_values, grid)
         return GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
 
-    def encode(self, images: ImageLike | Sequence[ImageLike],
-               min_image_tokens: int = MIN_IMAGE_TOKENS,
-               max_image_tokens: int = MAX_IMAGE_TOKENS) -> list[GlmVitOutput]:
-        """Preprocess and encode images; one GlmVitOutput per image, in order. Images are packed
-        into forward calls of at most p_max patches each. An output holding NaN or Inf is refused
-        (GlmVitError naming the image's file or its index), never returned."""
-        images = image_list(images)
-        geo = self.geometry
-        prepared = [preprocess(img, patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
-                               merge_size=geo.spatial_merge_size, min_image_tokens=min_image_tokens,
-                               max_image_tokens=max_image_tokens) for img in images]
-        labels = [str(img) if isinstance(img, (str, Path)) else f"image {i}" for i, img in enumerate(images)]
-        results: list[GlmVitOutput] = []
-        batch: list[int] = []  # indices into prepared
-        for i in range(len(prepared) + 1):
-            full = batch and i < len(prepared) and sum(len(prepared[j][0]) for j in batch + [i]) > self.p_max
-            if batch and (i == len(prepared) or full):
-                out = self._forward(np.concatenate([prepared[j][0] for j in batch]),
-                                    np.concatenate([prepared[j][1] for j in batch]))
-                _refuse_nonfinite(out, [labels[j] for j in batch], self._xp())
-                results.extend(out.split())
-                batch = []
-            if i < len(prepared):
-                batch.append(i)
-        return results
+    def encode_iter(self, images: Iterable[ImageLike], *, workers: int | None = None,
+                    min_image_tokens: int | None = None,
+                    max_image_tokens: int | None = None) -> Iterator[tuple[Any, GlmVitOutput]]:
+        """Yield (image, its GlmVitOutput) for each of `images` (paths, PIL images, HxWx3 uint8
+        arrays, or any iterable of them), in order, as they complete: decoding runs in `workers`
+        processes (default: all cores but one; 0: in this thread), images are packed into forward
+        calls of at most p_max patches, and memory stays bounded however many images come.
+        Outputs are float32 NumPy arrays on every backend. A failing image raises GlmVitError
+        naming it, after every image before it was yielded."""
+        processor = self._processor(min_image_tokens, max_image_tokens)
+        n = DEFAULT_WORKERS if workers is None else workers
+        decoder = self._decoder(n, processor)
+        for result in stream(self, images, dtype="float32", processor=processor, decoder=decoder):
+            if result.error is not None:
+                raise GlmVitError(result.error)
+            one = np.array([0, len(result.arrays["pooler_output"])])
+            yield result.item, GlmVitOutput(result.arrays["last_hidden_state"], result.arrays["pooler_output"],
+                                            result.grid_thw[None], one)
+
+    def encode(self, images: ImageLike | Sequence[ImageLike], *, workers: int | None = None,
+               min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> list[GlmVitOutput]:
+        """Preprocess and encode images; one GlmVitOutput per image, in order (encode_iter)."""
+        if isinstance(images, (str, Path, np.ndarray, Image.Image, EncodedImage, bytes, bytearray)):
+            images = [images]  # one image (bytes too: refused as one, not iterated as ints)
+        elif not isinstance(images, Iterable):
+            raise GlmVitError(f"cannot encode a {type(images).__name__}: pass a path, a PIL image, an HxWx3 "
+                              "uint8 array, or a list of them")
+        return [out for _, out in self.encode_iter(images, workers=workers, min_image_tokens=min_image_tokens,
+                                                    max_image_tokens=max_image_tokens)]
+
+    def _processor(self, min_image_tokens: int | None, max_image_tokens: int | None) -> ProcessorConfig:
+        """vit.processor with this call's budget (None: the processor's own)."""
+        processor = with_settings(self.processor, min_image_tokens=min_image_tokens,
+                                  max_image_tokens=max_image_tokens)
+        check_processor(processor, self.geometry)
+        return processor
+
+    def _decoder(self, workers: int, processor: ProcessorConfig) -> Decoder:
+        """The decode pool, kept across calls (a service encoding a request at a time pays for
+        starting the processes once)."""
+        if self._pool is None or (self._pool.workers, self._pool.processor) != (workers, processor):
+            self.close()
+            self._pool = Decoder(workers, processor)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the decode workers (they also stop when the process exits)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

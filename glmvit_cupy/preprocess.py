@@ -1,10 +1,17 @@
 """Images -> (pixel_values, grid_thw), exactly as transformers' `Glm5NextImageProcessorPil`.
 
+A path (or an `EncodedImage`, a file's bytes) is opened as transformers' `load_image` opens a path:
+Pillow's first frame, `ImageOps.exif_transpose`, then `convert("RGB")`, which drops alpha
+rather than compositing it. A PIL image or an array goes to the processor as it is.
+`ProcessorConfig` holds every setting the processor takes from a `preprocessor_config.json`;
+`processor_config` reads that file beside the weights, options overriding it.
+
 Two halves, so that the collection pipeline can run the first in worker processes and the
 second on the GPU (`cuda_src/patchify.cu`) from 1 byte a value instead of 4:
 - `canvas`: convert to RGB (transparency composited onto white) -> `smart_resize` picks a
-  canvas aligned to 28 px inside the token budget -> PIL bicubic resize of the content, zero
-  padding on the bottom/right, on raw uint8 pixels: uint8 [H, W, 3].
+  canvas aligned to 28 px inside the token budget -> PIL resize of the content (bicubic unless
+  `resample` says otherwise), zero padding on the bottom/right, on raw uint8 pixels: uint8
+  [H, W, 3].
 - `patchify`: each uint8 value v of channel c becomes `pixel_table()[c, v]`, which is
   (float32(float64(v) x 1/255) - mean[c]) / std[c] in float32, the oracle's own arithmetic
   tabulated (so the result matches it bit for bit) -> block-major patches, each (C, T, 14, 14)
@@ -15,28 +22,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
+import json
 import math
 import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import GlmVitError
-from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
+from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-ImageLike = Union[str, Path, Image.Image, np.ndarray]
+ImageLike = Union[str, Path, Image.Image, np.ndarray, "EncodedImage"]
+PREPROCESSOR_FILE = "preprocessor_config.json"  # the processor's settings, beside the weights
 
 
 @dataclasses.dataclass(frozen=True)
 class ProcessorConfig:
-    """The image processor's settings (transformers' defaults for Glm5NextImageProcessorPil)."""
+    """The image processor's settings: every field Glm5NextImageProcessorPil takes from a
+    preprocessor_config.json, with its class defaults. (`size` and `patch_expand_factor` are
+    accepted there too, and ignored by its resize and patchify alike.)"""
 
     patch_size: int = 14
     temporal_patch_size: int = 2
@@ -45,19 +57,115 @@ class ProcessorConfig:
     max_image_tokens: int = MAX_IMAGE_TOKENS
     image_mean: tuple[float, float, float] = CLIP_MEAN
     image_std: tuple[float, float, float] = CLIP_STD
+    resample: int = int(Image.Resampling.BICUBIC)  # a PIL resampling filter, 0-5
+    do_resize: bool = True  # False: the image must already be an aligned canvas
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    do_convert_rgb: bool = True
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_image_tokens", "max_image_tokens"):
             value = getattr(self, name)
-            if type(value) is not int:
-                raise GlmVitError(f"{name} is {value!r} (a {type(value).__name__}), expected an int")
-        if self.min_image_tokens < 1 or self.max_image_tokens < self.min_image_tokens:
-            raise GlmVitError(f"image token budget [{self.min_image_tokens}, {self.max_image_tokens}] is empty")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GlmVitError(f"processor: {name} {value!r} must be a positive integer")
+        if self.max_image_tokens < self.min_image_tokens:
+            raise GlmVitError(f"processor: image token budget [{self.min_image_tokens}, {self.max_image_tokens}] is empty")
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, float) for v in value)):
+                raise GlmVitError(f"processor: {name} {value!r} must be 3 floats (one per RGB channel)")
+        if 0.0 in self.image_std:
+            raise GlmVitError(f"processor: image_std {list(self.image_std)} has a zero")
+        if self.resample not in {int(r) for r in Image.Resampling} or isinstance(self.resample, bool):
+            raise GlmVitError(f"processor: resample {self.resample!r} is not a PIL resampling filter "
+                              f"({', '.join(f'{int(r)} {r.name.lower()}' for r in Image.Resampling)})")
+        if not isinstance(self.rescale_factor, float):
+            raise GlmVitError(f"processor: rescale_factor {self.rescale_factor!r} must be a number")
+        for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            if not isinstance(getattr(self, name), bool):
+                raise GlmVitError(f"processor: {name} {getattr(self, name)!r} must be true or false")
 
     @property
     def factor(self) -> int:
         """Canvas sides are multiples of this (28: a 2x2 block of 14-pixel patches)."""
         return self.patch_size * self.merge_size
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(ProcessorConfig))
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """A preprocessor_config.json value in ProcessorConfig's type, as the processor reads it:
+    a single mean/std applies to every channel; numbers may be written as either JSON kind."""
+    if name in ("image_mean", "image_std"):
+        values = value if isinstance(value, (list, tuple)) else [value] * 3
+        return tuple(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values)
+    if name == "rescale_factor" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if name in ("patch_size", "temporal_patch_size", "merge_size", "min_image_tokens", "max_image_tokens",
+                "resample") and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _check_names(settings: dict[str, Any]) -> None:
+    unknown = sorted(set(settings) - set(FIELDS))
+    if unknown:
+        raise GlmVitError(f"processor: unknown setting(s) {', '.join(unknown)} (known: {', '.join(FIELDS)})")
+
+
+def with_settings(config: ProcessorConfig, **settings: Any) -> ProcessorConfig:
+    """`config` with each setting that is not None in its place (written as in the JSON file)."""
+    _check_names(settings)
+    return dataclasses.replace(config, **{k: _field_value(k, v) for k, v in settings.items() if v is not None})
+
+
+def processor_config(model_dir: str | Path | None = None,
+                     **overrides: Any) -> tuple[ProcessorConfig, dict[str, str]]:
+    """The processor's settings for the model in `model_dir`: its preprocessor_config.json where
+    there is one, then each override that is not None. Returns (config, field -> "default" | "preprocessor_config.json" |
+    "option")."""
+    _check_names(overrides)
+    values: dict[str, Any] = {}
+    sources = dict.fromkeys(FIELDS, "default")
+    path = Path(model_dir) / PREPROCESSOR_FILE if model_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            file = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise GlmVitError(f"{path}: cannot read the processor config: {exc}") from None
+        if not isinstance(file, dict):
+            raise GlmVitError(f"{path}: holds a {type(file).__name__}, not an object")
+        for name in FIELDS:
+            if name not in file:
+                continue
+            if file[name] is None and not name.startswith("do_"):
+                raise GlmVitError(f"{path}: {name} is null, on which transformers' processor fails: "
+                                  "give a value or leave the field out")
+            # A null do_ flag is false to transformers (an `if` on None), not the default.
+            values[name] = False if file[name] is None else _field_value(name, file[name])
+            sources[name] = PREPROCESSOR_FILE
+    for name, value in overrides.items():
+        if value is not None:
+            values[name] = _field_value(name, value)
+            sources[name] = "option"
+    try:
+        return ProcessorConfig(**values), sources
+    except GlmVitError as exc:
+        where = path if path is not None and any(s == PREPROCESSOR_FILE for s in sources.values()) else "options"
+        raise GlmVitError(f"{where}: {exc}") from None
+
+
+def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
+    """The processor must cut the patches the tower embeds (transformers would fail later, on a
+    shape mismatch inside the model)."""
+    for mine, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                         ("merge_size", "spatial_merge_size")):
+        if getattr(processor, mine) != getattr(geo, theirs):
+            raise GlmVitError(f"processor {mine} {getattr(processor, mine)} disagrees with the tower's "
+                              f"{theirs} {getattr(geo, theirs)} (config.json): fix preprocessor_config.json "
+                              "or the option")
 
 
 def smart_resize(height: int, width: int, *, factor: int = 28, temporal_factor: int = 2,
@@ -95,49 +203,70 @@ def smart_resize(height: int, width: int, *, factor: int = 28, temporal_factor: 
     return out_h, out_w
 
 
-def load_rgb(image: ImageLike) -> Image.Image:
-    """Any accepted input as an RGB PIL image; file errors become one-line GlmVitErrors."""
+@dataclasses.dataclass(frozen=True)
+class EncodedImage:
+    """The bytes of an image file (from a tar shard, a request body), named for messages; read
+    exactly as the same file on disk would be."""
+
+    name: str
+    data: bytes
+
+
+def load_rgb(image: ImageLike, convert_rgb: bool = True) -> Image.Image:
+    """Any accepted input as the RGB PIL image the processor works on; file errors become
+    one-line GlmVitErrors. `convert_rgb` is the processor's do_convert_rgb."""
     if isinstance(image, np.ndarray):
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise GlmVitError(f"image array has shape {list(image.shape)} and dtype {image.dtype}, "
                               "expected HxWx3 uint8")
         return Image.fromarray(np.ascontiguousarray(image))
-    if isinstance(image, (str, Path)):
-        path = Path(image)
-        try:
-            with _open_guarded(path) as opened:
-                opened.load()  # decode now, so a truncated file fails here, by name
-                return _to_rgb(opened)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            found = re.search(r"\((\d+) pixels\)", str(exc))
-            size = f"{int(found.group(1)):,} pixels" if found else str(exc)
-            raise GlmVitError(
-                f"{path}: {size}, over PIL's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS:,} "
-                "(PIL.Image.MAX_IMAGE_PIXELS): downscale the image, or for a file you trust raise "
-                "that limit (None lifts it)") from None
-        except FileNotFoundError:
-            raise GlmVitError(f"{path}: no such image file") from None
-        except UnidentifiedImageError:
-            raise GlmVitError(f"{path}: not an image PIL can decode") from None
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise GlmVitError(f"{path}: cannot decode image: {exc}") from None
-    if isinstance(image, Image.Image):
+    if isinstance(image, (str, Path, EncodedImage)):
+        image = open_image(image)
+    elif not isinstance(image, Image.Image):
+        raise GlmVitError(f"cannot encode a {type(image).__name__}: pass a path, a PIL image or an "
+                          "HxWx3 uint8 array")
+    if convert_rgb:
         return _to_rgb(image)
-    raise GlmVitError(f"cannot encode a {type(image).__name__}: pass a path, a PIL image or an "
-                      "HxWx3 uint8 array")
+    if image.mode != "RGB":
+        raise GlmVitError(f"a {image.mode} image with do_convert_rgb false: the tower takes 3 channels")
+    return image
+
+
+def open_image(image: str | Path | EncodedImage) -> Image.Image:
+    """A file (or its bytes) as transformers' load_image opens it: the first frame of a
+    multi-frame file, turned upright by its EXIF orientation, then PIL's own convert("RGB")
+    (alpha dropped)."""
+    name, file = (image.name, io.BytesIO(image.data)) if isinstance(image, EncodedImage) else (image, Path(image))
+    try:
+        with _open_guarded(file) as opened:
+            upright = ImageOps.exif_transpose(opened)  # decodes now: a truncated file fails here
+            return upright.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{int(found.group(1)):,} pixels" if found else str(exc)
+        raise GlmVitError(
+            f"{name}: {size}, over PIL's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS:,} "
+            "(PIL.Image.MAX_IMAGE_PIXELS): downscale the image, or for a file you trust raise "
+            "that limit (None lifts it)") from None
+    except FileNotFoundError:
+        raise GlmVitError(f"{name}: no such image file") from None
+    except UnidentifiedImageError:
+        raise GlmVitError(f"{name}: not an image PIL can decode") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise GlmVitError(f"{name}: cannot decode image: {exc}") from None
 
 
 _WARNING_FILTERS = threading.Lock()
 
 
-def _open_guarded(path: Path) -> Image.Image:
+def _open_guarded(file: Path | io.BytesIO) -> Image.Image:
     """Image.open with PIL's decompression-bomb warning (an image over MAX_IMAGE_PIXELS, which
     PIL would decode anyway) raised as an error; over twice that PIL raises by itself. Opening
     reads only the header. The lock: warnings.catch_warnings swaps process-wide state, so
     two loader threads must not interleave it."""
     with _WARNING_FILTERS, warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        return Image.open(path)
+        return Image.open(file)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -151,9 +280,14 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 def canvas(image: ImageLike, config: ProcessorConfig = ProcessorConfig()) -> np.ndarray:
     """Decode, resize the content and zero-pad it onto the aligned canvas: uint8 [H, W, 3]."""
-    image = load_rgb(image)
+    image = load_rgb(image, config.do_convert_rgb)
     factor, temporal = config.factor, config.temporal_patch_size
     width, height = image.size
+    if not config.do_resize:
+        if height % factor or width % factor:
+            raise GlmVitError(f"a {width}x{height} image with do_resize false: both sides must be "
+                              f"multiples of {factor} (patch_size x merge_size)")
+        return np.asarray(image, dtype=np.uint8)
     target_h, target_w = smart_resize(height, width, factor=factor, temporal_factor=temporal,
                                       min_image_tokens=config.min_image_tokens,
                                       max_image_tokens=config.max_image_tokens)
@@ -163,7 +297,7 @@ def canvas(image: ImageLike, config: ProcessorConfig = ProcessorConfig()) -> np.
     content_h = max(1, min(target_h, math.floor(height * scale)))
     content_w = max(1, min(target_w, math.floor(width * scale)))
     if (content_h, content_w) != (height, width):
-        image = image.resize((content_w, content_h), resample=Image.BICUBIC)
+        image = image.resize((content_w, content_h), resample=config.resample)
     out = np.zeros((target_h, target_w, 3), dtype=np.uint8)
     out[:content_h, :content_w] = np.asarray(image, dtype=np.uint8)
     return out
@@ -177,12 +311,19 @@ def canvas_grid(shape: Sequence[int], config: ProcessorConfig = ProcessorConfig(
 @functools.lru_cache(maxsize=8)
 def pixel_table(config: ProcessorConfig = ProcessorConfig()) -> np.ndarray:
     """float32 [3, 256]: the normalised value of each uint8 value of each channel, computed
-    with the oracle's arithmetic (x 1/255 in float64, cast to float32, then (x - mean) / std in
-    float32). The GPU's patchify reads the same table."""
-    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
-    mean = np.array(config.image_mean, dtype=np.float32)[:, None]
-    std = np.array(config.image_std, dtype=np.float32)[:, None]
-    table = (scaled[None, :] - mean) / std
+    with the oracle's arithmetic (x rescale_factor in float64, cast to float32, then
+    (x - mean) / std in float32; each step only where its do_ flag says). The GPU's patchify
+    reads the same table."""
+    values = np.arange(256)
+    if config.do_rescale:
+        scaled = (values.astype(np.float64) * config.rescale_factor).astype(np.float32)
+    else:
+        scaled = values.astype(np.float32)
+    table = np.repeat(scaled[None, :], 3, axis=0)
+    if config.do_normalize:
+        mean = np.array(config.image_mean, dtype=np.float32)[:, None]
+        std = np.array(config.image_std, dtype=np.float32)[:, None]
+        table = (table - mean) / std
     table.flags.writeable = False
     return table
 
@@ -211,7 +352,7 @@ def preprocess(images: ImageLike | Sequence[ImageLike], config: ProcessorConfig 
                **settings) -> tuple[np.ndarray, np.ndarray]:
     """One image or a list -> (pixel_values float32 [P, 1176], grid_thw int64 [N, 3]).
     `settings` override fields of `config` (default: the processor's defaults)."""
-    config = dataclasses.replace(config or ProcessorConfig(), **settings)
+    config = with_settings(config or ProcessorConfig(), **settings)
     images = image_list(images)
     if len(images) == 0:
         raise GlmVitError("no images to preprocess")

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import struct
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from .atomic import atomic_directory
 from .checkpoint import INDEX_FILE, SINGLE_FILE, tower_shapes
 from .errors import GlmVitError
-from .geometry import REAL, GlmVitGeometry
+from .geometry import REAL, GlmVitGeometry, vision_config
+from .reference import f32_to_bf16_bits
+from .writer import ITEMSIZE, atomic_directory, write_safetensors
 
 GEOMETRIES = {
     "real": GlmVitGeometry(**REAL),
@@ -44,27 +43,6 @@ LAYOUTS = {
 }
 _NORMS = ("norm1.weight", "norm2.weight", "q_norm.weight", "k_norm.weight",
           "post_layernorm.weight", "post_projection_norm.weight")
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def vision_config(geo: GlmVitGeometry) -> dict:
-    return {
-        "model_type": "glm5_next_vision", "depth": geo.depth, "hidden_size": geo.hidden_size,
-        "num_heads": geo.num_heads, "intermediate_size": geo.intermediate_size,
-        "in_channels": geo.in_channels, "patch_size": geo.patch_size,
-        "temporal_patch_size": geo.temporal_patch_size,
-        "spatial_merge_size": geo.spatial_merge_size, "out_hidden_size": geo.out_hidden_size,
-        "projection_intermediate_size": geo.projection_intermediate_size,
-        "rms_norm_eps": geo.rms_norm_eps, "swiglu_limit": geo.swiglu_limit,
-        "rope_parameters": {"rope_type": "axial", "rope_theta": geo.rope_theta},
-        "hidden_act": "silu", "attention_bias": True, "attention_dropout": 0.0,
-        "image_size": 448, "initializer_range": 0.02,
-    }
 
 
 def _stored_shape(name: str, read_shape: tuple[int, ...], geo: GlmVitGeometry) -> list[int]:
@@ -101,43 +79,10 @@ def _decoys(geo: GlmVitGeometry, decoy_bytes: int) -> list[tuple[str, str, list[
     ]
 
 
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data: Iterator[bytes]) -> int:
-    """Write one safetensors file: header of (name, dtype, shape) in order, then each tensor's
-    bytes as `data` yields them, then fsync. Written in place (write_checkpoint makes the
-    checkpoint atomic as a whole); an OSError (a full disk) propagates. Returns its size."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape in specs:
-        n = math.prod(shape) * _ITEMSIZE[dtype]
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    try:
-        _write_all(fd, struct.pack("<Q", len(blob)) + blob)
-        for (name, dtype, shape), chunk in zip(specs, data):
-            assert len(chunk) == header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
-            _write_all(fd, chunk)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return 8 + len(blob) + offset
-
-
 def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real", seed: int = 0,
                      layout: str = "full", decoy_bytes: int | None = None) -> Path:
     """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`: all of it
-    or, on any failure (a full disk), nothing (it is filled under a temporary name beside)."""
+    or, on any failure (a full disk), nothing (writer.atomic_directory)."""
     geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -164,7 +109,7 @@ def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, dec
 
     def decoy_data(specs):
         for _, dtype, shape in specs:
-            yield rng.integers(0, 256, math.prod(shape) * _ITEMSIZE[dtype], dtype=np.uint8).tobytes()
+            yield rng.integers(0, 256, math.prod(shape) * ITEMSIZE[dtype], dtype=np.uint8).tobytes()
 
     config = vision_config(geo)
     if model_type == "glm5_next":

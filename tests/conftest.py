@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def real_ckpt(tmp_path_factory):
+    """`make-checkpoint --geometry real`: 24 blocks, 347 tensors, 1.05 GiB (GPU tests; the device
+    check makes it once and names it in GLMVIT_REAL_CKPT)."""
+    path = os.environ.get("GLMVIT_REAL_CKPT")
+    if path:
+        return Path(path)
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "real", "real", seed=0)
 
 
 @pytest.fixture(scope="session")

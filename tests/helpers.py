@@ -66,6 +66,49 @@ def run_transformers(model, pixel_values: np.ndarray, grid_thw: np.ndarray) -> t
     return (out.last_hidden_state.float().cpu().numpy(), out.pooler_output.float().cpu().numpy())
 
 
+# A tower small enough to build, save and run through transformers in a fraction of a second.
+TINY_VISION = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=96,
+                   projection_intermediate_size=160)
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                 kv_lora_rank=16, q_lora_rank=32, v_head_dim=16, qk_nope_head_dim=16, vocab_size=256,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2, index_head_dim=16, index_n_heads=2,
+                 linear_head_dim=16, linear_num_heads=2)
+# What transformers writes, by the class that saves it: the vision model alone (bare names),
+# the full model (model.visual.*) and the bare Glm5NextModel (visual.*).
+SAVED_BY = ("vision", "full", "model")
+
+
+def save_with_transformers(directory: Path, kind: str, sharded: bool = False, seed: int = 0,
+                           vision: dict | None = None):
+    """Build a tiny `kind` model with random weights, save_pretrained it into `directory` in BF16
+    (as the released exports are), and return transformers' own float32 tower loaded back from
+    those files with from_pretrained: the oracle for whatever binds them."""
+    import torch
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig, Glm5NextVisionConfig
+    from transformers.models.glm5_next.modeling_glm5_next import (
+        Glm5NextForConditionalGeneration, Glm5NextModel, Glm5NextVisionModel)
+
+    vision = dict(TINY_VISION, **(vision or {}))
+    torch.manual_seed(seed)
+    if kind == "vision":
+        cls, config = Glm5NextVisionModel, Glm5NextVisionConfig(**vision)
+    else:
+        cls = {"full": Glm5NextForConditionalGeneration, "model": Glm5NextModel}[kind]
+        config = Glm5NextConfig(text_config=TINY_TEXT, vision_config=vision)
+    model = cls(config)
+    with torch.no_grad():  # trained-looking values: no zero biases, norms near one
+        for name, param in model.named_parameters():
+            if "norm" in name.rsplit(".", 2)[-2]:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.02 * torch.randn_like(param))
+    model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="40KB" if sharded else "50GB")
+    loaded = cls.from_pretrained(directory, attn_implementation="sdpa")
+    tower = {"vision": lambda m: m, "full": lambda m: m.model.visual, "model": lambda m: m.visual}[kind](loaded)
+    return tower.float().eval()
+
+
 def bomb_png(path: Path, width: int, height: int) -> Path:
     """A valid PNG header declaring width x height 1-bit pixels (a decompression bomb as PIL
     sees it when it opens the file); the image data is a stub, never reached."""

@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from glmvit_cupy import GlmVitError
 from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower, tower_shapes
-from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint, write_safetensors
+from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint
+from glmvit_cupy.writer import write_safetensors
 
 
 def read_all(path: Path) -> list[tuple[str, str, list[int], bytes]]:

@@ -85,7 +85,7 @@ def test_last_hidden_only(tmp_path, tiny_ckpt, pngs):
 def test_user_mistakes_are_one_line(tmp_path, tiny_ckpt, pngs):
     model = ["--model", str(tiny_ckpt), "--backend", "numpy"]
     assert_clean_failure(run("encode", str(tmp_path / "none.png"), *model, "--out", str(tmp_path / "o.npy")),
-                         "none.png", "no such image file")
+                         "none.png", "no such file or directory")
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     assert_clean_failure(run("encode", str(tmp_path / "bad.png"), *model, "--out", str(tmp_path / "o.npy")),
                          "bad.png")
@@ -136,7 +136,7 @@ def test_info_reads_headers_only(tiny_ckpt):
 
 
 def test_help_explains_each_command():
-    for command in ("encode", "info", "make-checkpoint"):
+    for command in ("encode", "info", "extract", "make-checkpoint"):
         proc = run(command, "--help")
         assert proc.returncode == 0 and "Usage:" in proc.stdout
 

@@ -9,12 +9,10 @@ inputs, measured in the same test (flash-attention's "k x a same-precision basel
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,15 +32,6 @@ CASES = {
     "1036": [(1036, 1036)],
     "batch3": [(448, 336), (700, 520), (224, 896)],
 }
-
-
-@pytest.fixture(scope="module")
-def real_ckpt(tmp_path_factory):
-    """`make-checkpoint --geometry real`: 24 blocks, 347 tensors, 1.05 GiB."""
-    path = os.environ.get("GLMVIT_REAL_CKPT")
-    if path:
-        return Path(path)
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "real", "real", seed=0)
 
 
 @pytest.fixture(scope="module")

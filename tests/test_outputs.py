@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy.atomic import write_atomic
+from glmvit_cupy import writer
+from glmvit_cupy.writer import write_atomic
 from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.synthetic import write_checkpoint
 from helpers import photo_like
@@ -43,20 +44,33 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+class FullDisk:
+    """A file whose writes fail with ENOSPC once `budget[0]` bytes (of every file) are written."""
+
+    def __init__(self, f, budget: list[int]) -> None:
+        self.f, self.budget = f, budget
+
+    def write(self, data) -> int:
+        if self.budget[0] < memoryview(data).nbytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.budget[0] -= memoryview(data).nbytes
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
 @pytest.fixture
 def failing_disk(monkeypatch):
-    """os.write fails with ENOSPC once `budget[0]` bytes have been written."""
+    """The checkpoint writer's files fill the disk after `budget[0]` bytes."""
     budget = [0]
-    real = os.write
-
-    def write(fd: int, data) -> int:
-        if budget[0] <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        n = real(fd, bytes(memoryview(data)[:budget[0]]))
-        budget[0] -= n
-        return n
-
-    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(writer, "open", lambda *a, **k: FullDisk(open(*a, **k), budget), raising=False)
     return budget
 
 
@@ -68,7 +82,8 @@ def test_make_checkpoint_on_a_full_disk_leaves_nothing(tmp_path, failing_disk, e
     if existing:
         target.mkdir()
     failing_disk[0] = 1_500_000  # the first shard is ~1.2 MB
-    with pytest.raises(GlmVitError, match=r"ckpt: cannot write: No space left on device: free some space") as info:
+    with pytest.raises(GlmVitError, match=r"ckpt: writing failed \(No space left on device\); nothing was left "
+                                          r"behind") as info:
         write_checkpoint(target, "tiny", seed=1)
     assert "\n" not in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["ckpt"] if existing else [])
@@ -104,7 +119,7 @@ def test_cli_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_ckpt, 
                file_limit=4096)  # the embedding is 24 KB
     one_line_failure(proc, "emb.npy: cannot write: ", "file size limit", "free some space there")
     proc = cli("make-checkpoint", str(tmp_path / "ck"), "--geometry", "tiny", file_limit=256 << 10)
-    one_line_failure(proc, "ck: cannot write: File too large")
+    one_line_failure(proc, "ck: writing failed (File too large)")
     assert list(tmp_path.iterdir()) == []
 
 

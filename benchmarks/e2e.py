@@ -1,0 +1,432 @@
+"""End to end on a photo collection: files in, shards on disk, against the forward alone and transformers.
+
+Issue 14, item 8, in one process and one command:
+
+1. The collection: COUNT (default 1,000) distinct real photographs, JPEG and PNG, long side
+   320-1600 px, varied aspect ratios, derived offline from the photographs scikit-image
+   bundles (`benchmarks/photos.py` says how and why). Built under --collection (default a
+   directory in the temp dir named by count and seed), reused when it is already there.
+2. Ours end to end: `glmvit-cupy encode COLLECTION --model M --out-dir OUT --workers N --quiet`
+   as a subprocess, into a fresh output directory, after one warm-up run of the same command
+   on 16 of the files (CuPy's on-disk kernel cache then holds the kernels, as on any run after
+   the first). images/s, tokens/s and GPU busy are the CLI's own final summary line (the
+   pipeline's clock: from the first file read to the last shard renamed; binding the
+   checkpoint is outside it); the whole process's wall time is reported beside it, and the
+   records in the shards' .jsonl are counted (one per photo, or the run fails). Peak host
+   RSS: `main` is the CLI process's own peak (getrusage RUSAGE_SELF, read by a two-line
+   wrapper when the CLI is done: kept by the kernel, exact); `largest worker` the highest
+   peak (VmHWM) of any of its descendants, the decode workers and their forkserver, and
+   `tree` the peak of the RSS summed over the process and all its descendants, both read
+   from /proc every 0.1 s (the workers' VmHWM is kept by the kernel too, so only growth in a
+   worker's last 0.1 s could be missed; the sum counts shared pages once per process, so it
+   overstates). RUSAGE_CHILDREN would not do: the workers are children of the forkserver,
+   which the CLI never waits for.
+3. Forward only on the same grids: the same files preprocessed by our own `canvas` (in a
+   process pool, untimed), packed by the pipeline's own `plan_batches` under the same
+   p_max, each batch's float32 pixel_values uploaded before the clock starts; then
+   `vit.forward` on every batch back to back, wall clock between two device
+   synchronisations. Two passes; the ratio uses the faster (the stricter target). Both meet
+   each batch's grid as the pipeline does, for the first time as far as the engine can tell:
+   it keeps CUDA graphs for its last 16 grids only, and a mixed collection has a new grid in
+   every batch.
+4. transformers: `Glm5NextImageProcessorPil` on 16 files, then `Glm5NextVisionModel` (our
+   checkpoint's tower, bf16, sdpa) on the batch, pooler_output brought to the host (not
+   written to disk, as ours is), over all files, after one untimed warm-up batch. The processor's grids must equal ours (the same
+   work is compared).
+5. A Markdown table on stdout; a JSON record (and the table) under benchmarks/results/.
+
+    python benchmarks/e2e.py --model /tmp/glmvit-real                               # the H200 run
+    python benchmarks/e2e.py --model /tmp/glmvit-tiny --backend numpy --images 12   # CPU smoke run
+
+On --backend numpy (no GPU) every part runs on the CPU: the CLI and the forward with the
+NumPy backend, transformers on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the code beside this script, and the oracle helper
+
+from photos import build_collection  # noqa: E402
+
+from glmvit_cupy import GlmVit  # noqa: E402
+from glmvit_cupy.errors import GlmVitError  # noqa: E402
+from glmvit_cupy.pipeline import plan_batches  # noqa: E402
+from glmvit_cupy.preprocess import ProcessorConfig, canvas, canvas_grid, patchify  # noqa: E402
+from glmvit_cupy.sources import expand_inputs  # noqa: E402
+
+WARMUP_FILES = 16
+FORWARD_PASSES = 2
+GRAPH_BATCHES = 16  # the engine keeps graphs for its last 16 grids (engine.MAX_GRAPHS)
+TRANSFORMERS_BATCH = 16
+TARGET_FORWARD_RATIO = 0.9
+TARGET_TRANSFORMERS_RATIO = 7.0
+SAMPLE_S = 0.1
+
+# Runs the CLI exactly as the `glmvit-cupy` entry point does (cli:main), then writes its own
+# peak RSS (kept by the kernel) to the file named by argv[1]; its exit status is the CLI's.
+CLI_WRAPPER = """import resource, sys
+from cli import main
+report, sys.argv = sys.argv[1], ["glmvit-cupy"] + sys.argv[2:]
+try:
+    main()
+    code = 0
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+with open(report, "w") as f:
+    f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+sys.exit(code)
+"""
+
+SUMMARY = re.compile(r"encoded (\d+), skipped (\d+), failed (\d+) in ([\d.]+)s: [\d.,]+ images/s, "
+                     r"[\d.,]+ tokens/s, GPU busy (.+)$")
+
+
+class TreeRss(threading.Thread):
+    """Peaks of a process's descendants, sampled from /proc: the highest VmHWM of any of them
+    and the highest RSS summed over the process and all of them."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.largest_kib, self.total_kib, self.most_processes = pid, 0, 0, 0
+        self.done = threading.Event()
+
+    def _tree(self) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:  # the process ended while we looked
+                    continue
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        tree, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo.extend(children.get(pid, []))
+        return tree
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            total, alive = 0, 0
+            for pid in self._tree():
+                try:
+                    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+                    rss, hwm = (int(status[k].split()[0]) for k in ("VmRSS", "VmHWM"))
+                except (OSError, KeyError, ValueError):  # ended, or a zombie without memory lines
+                    continue
+                total += rss
+                alive += 1
+                if pid != self.pid:
+                    self.largest_kib = max(self.largest_kib, hwm)
+            self.total_kib = max(self.total_kib, total)
+            self.most_processes = max(self.most_processes, alive)
+            self.done.wait(SAMPLE_S)
+
+
+def run_cli(inputs: list[str], model: Path, out_dir: Path, workers: int, backend: str) -> dict:
+    """One `glmvit-cupy encode` subprocess: its parsed summary, wall time and peak RSS."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        report = Path(f.name)
+    command = [sys.executable, "-c", CLI_WRAPPER, str(report), "encode", *inputs, "--model", str(model),
+               "--out-dir", str(out_dir), "--workers", str(workers), "--backend", backend, "--quiet"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    sampler = TreeRss(proc.pid)
+    sampler.start()
+    _, stderr = proc.communicate()
+    wall = time.perf_counter() - t0
+    sampler.done.set()
+    sampler.join()
+    lines = stderr.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise GlmVitError(f"glmvit-cupy encode exited {proc.returncode}: {(lines or ['no output'])[-1]}"
+                          + (f" (stderr: {' | '.join(lines[-5:])})" if len(lines) > 1 else ""))
+    match = SUMMARY.search(lines[-1])
+    if match is None:
+        raise GlmVitError(f"glmvit-cupy encode: cannot read its summary line {lines[-1]!r}")
+    encoded, skipped, failed = (int(match.group(i)) for i in (1, 2, 3))
+    busy = match.group(5)
+    main_kib = int(report.read_text())
+    report.unlink()
+    return dict(encoded=encoded, skipped=skipped, failed=failed, pipeline_wall_s=float(match.group(4)),
+                gpu_busy=float(busy[:-1]) / 100 if busy.endswith("%") else None,
+                process_wall_s=round(wall, 2), summary_line=lines[-1],
+                rss_main_mib=round(main_kib / 1024, 1), rss_largest_worker_mib=round(sampler.largest_kib / 1024, 1),
+                rss_tree_sampled_mib=round(sampler.total_kib / 1024, 1),
+                processes=sampler.most_processes)
+
+
+def read_records(out_dir: Path) -> tuple[int, int, int]:
+    """(records, tokens, bytes on disk) of the shards in out_dir."""
+    records = tokens = 0
+    for jsonl in sorted(out_dir.glob("shard-*.jsonl")):
+        for line in jsonl.read_text().splitlines():
+            records += 1
+            tokens += json.loads(line)["tokens"]
+    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
+    return records, tokens, size
+
+
+def end_to_end(files: list[str], collection: Path, model: Path, workers: int, backend: str) -> dict:
+    """The warm-up run, then the measured run into a fresh directory (removed afterwards)."""
+    scratch = Path(tempfile.mkdtemp(prefix="glmvit-e2e-"))
+    try:
+        run_cli(files[:WARMUP_FILES], model, scratch / "warmup", workers, backend)
+        result = run_cli([str(collection)], model, scratch / "out", workers, backend)
+        records, tokens, size = read_records(scratch / "out")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if result["encoded"] != len(files) or records != len(files) or result["failed"]:
+        raise GlmVitError(f"end-to-end run: {result['encoded']} encoded, {result['failed']} failed, "
+                          f"{records} records on disk, expected {len(files)} (summary: {result['summary_line']})")
+    # rates from the counts and the wall time of the summary (its own rates are printed to 0.1)
+    wall = result["pipeline_wall_s"]
+    return dict(result, records=records, tokens=tokens, out_mib=round(size / 2**20, 1),
+                images_per_s=round(len(files) / wall, 2), tokens_per_s=round(tokens / wall, 1))
+
+
+def prepare_batches(files: list[str], config: ProcessorConfig, p_max: int, workers: int):
+    """Canvases of every file (a process pool; spawned, so no CUDA state is forked), packed by
+    the pipeline's plan_batches: [(pixel_values float32, grid_thw)] on the host, one a batch.
+    The patchify runs in threads (NumPy's gathers and copies release the GIL): ~20 GB of
+    float32 for 1,000 photos, a minute in one thread."""
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        canvases = list(pool.map(canvas, files, [config] * len(files), chunksize=4))
+    grids = [canvas_grid(c.shape, config) for c in canvases]
+    batches = plan_batches([h * w for _, h, w in grids], p_max)
+    with ThreadPoolExecutor(workers) as threads:
+        for batch in batches:
+            pixels = np.concatenate(list(threads.map(lambda i: patchify(canvases[i], config), batch)))
+            for i in batch:
+                canvases[i] = None  # host memory: the canvases and one batch of float32, not all of it
+            yield pixels, np.array([grids[i] for i in batch], dtype=np.int64)
+
+
+def forward_only(vit: GlmVit, files: list[str], config: ProcessorConfig, workers: int) -> tuple[dict, np.ndarray]:
+    """The forward alone on the pipeline's batches of these files; (result, grids of all files)."""
+    gpu = vit.backend == "cupy"
+    batches = []
+    if gpu:
+        import cupy
+        free = cupy.cuda.runtime.memGetInfo()[0]
+    for pixels, grid in prepare_batches(files, config, vit.p_max, workers):
+        if gpu:
+            free -= pixels.nbytes
+            if free < vit.scratch_bytes + 2**31:
+                raise GlmVitError(f"forward-only: the collection's pixel_values do not fit on the device "
+                                  f"next to the scratch ({vit.scratch_bytes / 2**30:.1f} GiB); use fewer --images")
+            pixels = cupy.asarray(pixels)
+        batches.append((pixels, grid))
+    sync = cupy.cuda.Device().synchronize if gpu else (lambda: None)
+    passes = []
+    for _ in range(FORWARD_PASSES):
+        sync()
+        t0 = time.perf_counter()
+        for pixels, grid in batches:
+            vit.forward(pixels, grid)
+        sync()
+        passes.append(time.perf_counter() - t0)
+    # CUDA graphs with mixed sizes: the engine captures a grid the second time it meets it. The
+    # first GRAPH_BATCHES batches three times over: eager (fresh grids), captured, replayed.
+    graph = None
+    if gpu:
+        few = batches[:GRAPH_BATCHES]
+        vit.tower.graphs.clear()
+        vit.tower.tables.clear()
+        times = []
+        for _ in range(3):
+            sync()
+            t0 = time.perf_counter()
+            for pixels, grid in few:
+                vit.forward(pixels, grid)
+            sync()
+            times.append(time.perf_counter() - t0)
+        graph = dict(batches=len(few), eager_s=round(times[0], 4), capture_s=round(times[1], 4),
+                     replay_s=round(times[2], 4), replay_over_eager=round(times[2] / times[0], 3))
+    grids = np.concatenate([g for _, g in batches])
+    patches = int(sum(len(p) for p, _ in batches))
+    tokens = patches // vit.geometry.merge_unit
+    best = min(passes)
+    result = dict(batches=len(batches), patches=patches, tokens=tokens, pass_s=[round(t, 3) for t in passes],
+                  images_per_s=round(len(files) / best, 2), tokens_per_s=round(tokens / best, 1),
+                  first_pass_images_per_s=round(len(files) / passes[0], 2), graphs=graph)
+    return result, grids
+
+
+def transformers_rate(model: Path, files: list[str], geo, device: str, our_grids: np.ndarray) -> dict:
+    """transformers' processor + model over the files in batches of TRANSFORMERS_BATCH."""
+    import torch
+    from PIL import Image
+    from helpers import transformers_tower
+    try:
+        from transformers import Glm5NextImageProcessorPil
+    except ImportError:
+        from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+
+    processor = Glm5NextImageProcessorPil(patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
+                                          merge_size=geo.spatial_merge_size)
+    tower = transformers_tower(model, dtype="bfloat16", device=device)
+
+    def run(paths: list[str]) -> tuple[np.ndarray, int]:
+        images = [Image.open(p) for p in paths]
+        try:
+            features = processor(images=images, return_tensors="pt")
+        finally:
+            for image in images:
+                image.close()
+        grid = features["image_grid_thw"]
+        with torch.no_grad():
+            out = tower(features["pixel_values"].to(device, torch.bfloat16), grid.to(device))
+        return grid.numpy(), len(out.pooler_output.float().cpu())
+
+    run(files[:TRANSFORMERS_BATCH])  # warm-up, untimed
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    grids, tokens = [], 0
+    sync()
+    t0 = time.perf_counter()
+    for a in range(0, len(files), TRANSFORMERS_BATCH):
+        grid, rows = run(files[a:a + TRANSFORMERS_BATCH])
+        grids.append(grid)
+        tokens += rows
+    sync()
+    wall = time.perf_counter() - t0
+    grids = np.concatenate(grids)
+    if not np.array_equal(grids, our_grids):
+        first = int(np.argmax(np.any(grids != our_grids, axis=1))) if grids.shape == our_grids.shape else 0
+        raise GlmVitError(f"transformers' processor gives other grids than ours, first at {files[first]}: "
+                          f"{grids[first].tolist()} vs {our_grids[first].tolist()}")
+    return dict(wall_s=round(wall, 2), images_per_s=round(len(files) / wall, 2), tokens_per_s=round(tokens / wall, 1))
+
+
+def environment(backend: str) -> dict:
+    import torch
+    import transformers
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
+               transformers=transformers.__version__)
+    if backend == "cupy":
+        import cupy
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        env.update(device=name.decode() if isinstance(name, bytes) else str(name), cupy=cupy.__version__,
+                   driver=cupy.cuda.runtime.driverGetVersion(), cuda_runtime=cupy.cuda.runtime.runtimeGetVersion())
+    else:
+        env.update(device=f"CPU ({platform.processor() or platform.machine()})")
+    return env
+
+
+def markdown(r: dict) -> str:
+    e2e, fwd, hf, env = r["ours_e2e"], r["forward_only"], r["transformers"], r["env"]
+    busy = "-" if e2e["gpu_busy"] is None else f"{100 * e2e['gpu_busy']:.0f}%"
+    col = r["collection"]
+    lines = [f"{env['date']}, {env['device']}, {env['cpus']} CPUs, backend {r['backend']}, {r['workers']} workers; "
+             f"{col['count']} photos ({col['jpeg']} JPEG, {col['png']} PNG, {col['total_bytes'] / 2**20:.0f} MiB), "
+             f"{fwd['patches']:,} patches, {fwd['tokens']:,} tokens, {fwd['batches']} forward calls of at most "
+             f"{r['p_max']} patches", "",
+             "| measure | value | target |", "| --- | --- | --- |",
+             f"| ours end to end, images/s | {e2e['images_per_s']:.1f} | |",
+             f"| ours end to end, tokens/s | {e2e['tokens_per_s']:,.0f} | |",
+             f"| ours end to end, pipeline wall / process wall s (shards written: {e2e['out_mib'] / 1024:.1f} GiB) | "
+             f"{e2e['pipeline_wall_s']:.1f} / {e2e['process_wall_s']:.1f} | |",
+             f"| forward only, images/s (best of {len(fwd['pass_s'])} passes; first pass) | "
+             f"{fwd['images_per_s']:.1f} ({fwd['first_pass_images_per_s']:.1f}) | |",
+             f"| end to end / forward only | {r['ratio_e2e_forward']:.2f}x | >= {TARGET_FORWARD_RATIO}x |",
+             *([f"| CUDA graphs: {g['batches']} batches replayed / eager (first time) | {g['replay_s']:.3f} / "
+                f"{g['eager_s']:.3f} s = {g['replay_over_eager']:.3f}x | |"] if (g := fwd.get("graphs")) else []),
+             f"| GPU busy during the end-to-end run | {busy} | |",
+             f"| peak RSS MiB: main / largest worker / tree (sampled sum) | {e2e['rss_main_mib']:.0f} / "
+             f"{e2e['rss_largest_worker_mib']:.0f} / {e2e['rss_tree_sampled_mib']:.0f} | |",
+             f"| transformers processor + model (bf16, sdpa, batches of {TRANSFORMERS_BATCH}), images/s | "
+             f"{hf['images_per_s']:.1f} | |",
+             f"| ours end to end / transformers | {r['ratio_ours_transformers']:.1f}x | "
+             f">= {TARGET_TRANSFORMERS_RATIO:.0f}x |"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    ap.add_argument("--backend", choices=["cupy", "numpy"], default="cupy")
+    ap.add_argument("--images", type=int, default=1000, help="photos in the collection")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the collection")
+    ap.add_argument("--collection", type=Path, default=None,
+                    help="where the collection is built or reused [default: a directory in the temp dir]")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="decode workers of the CLI (and of the untimed preprocessing) [default: cores - 1]")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON record [default: benchmarks/results/h200-e2e.json, cpu-e2e.json on numpy]")
+    args = ap.parse_args()
+    collection = args.collection or Path(tempfile.gettempdir()) / f"glmvit-e2e-photos-{args.images}-{args.seed}"
+    out = args.out or REPO / "benchmarks" / "results" / ("h200-e2e.json" if args.backend == "cupy" else "cpu-e2e.json")
+    try:
+        run(args, collection, out)
+    except GlmVitError as exc:
+        sys.exit(f"e2e: error: {exc}")
+
+
+def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
+    t0 = time.perf_counter()
+    manifest = build_collection(collection, args.images, args.seed)
+    files = [s.path for s in expand_inputs([str(collection)])]  # the CLI's own order
+    if len(files) != args.images:
+        raise GlmVitError(f"{collection}: {len(files)} images found, the manifest lists {args.images}")
+    print(f"collection {collection}: {len(files)} photos ({manifest['jpeg']} JPEG, {manifest['png']} PNG) "
+          f"from {len(manifest['colour_sources']) + len(manifest['grey_sources'])} bundled photographs, "
+          f"ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    ours = end_to_end(files, collection, args.model, args.workers, args.backend)
+    print(f"ours end to end: {ours['summary_line']}", file=sys.stderr, flush=True)
+
+    vit = GlmVit.from_pretrained(args.model, backend=args.backend)  # the CLI's default budget, so its p_max
+    geo = vit.geometry
+    config = ProcessorConfig(patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
+                             merge_size=geo.spatial_merge_size)
+    fwd, grids = forward_only(vit, files, config, args.workers)
+    print(f"forward only: {fwd}", file=sys.stderr, flush=True)
+    if fwd["tokens"] != ours["tokens"]:
+        raise GlmVitError(f"the shards hold {ours['tokens']} tokens, the forward-only batches {fwd['tokens']}: "
+                          "not the same work")
+    p_max = vit.p_max
+    del vit
+    if args.backend == "cupy":
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    hf = transformers_rate(args.model, files, geo, "cuda" if args.backend == "cupy" else "cpu", grids)
+    print(f"transformers: {hf}", file=sys.stderr, flush=True)
+
+    record = dict(backend=args.backend, workers=args.workers, p_max=p_max,
+                  collection=dict(path=str(collection), **{k: v for k, v in manifest.items() if k != "files"}),
+                  ours_e2e=ours, forward_only=fwd, transformers=hf,
+                  ratio_e2e_forward=round(ours["images_per_s"] / fwd["images_per_s"], 3),
+                  ratio_ours_transformers=round(ours["images_per_s"] / hf["images_per_s"], 2),
+                  env=environment(args.backend), benchmark_wall_s=round(time.perf_counter() - t0, 1))
+    table = markdown(record)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

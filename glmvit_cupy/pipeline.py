@@ -1,0 +1,319 @@
+"""The streaming pipeline: images in, embeddings out, at the speed of the engine.
+
+    sources -> decode workers -> packer -> engine (stager) -> in-order results -> sink
+              (N processes:      (token     (upload of k+1     (placeholders      (shards, or
+               read, decode,      budget)    while k computes)  filled per batch)   the caller)
+               resize, pad)
+
+Every stage is bounded: at most `window` images are being decoded or wait decoded, two
+batches are on the engine, and results leave in input order as soon as the images before
+them are done, so memory does not grow with the collection. Workers hand over the uint8
+canvas (preprocess.canvas); the engine patchifies it itself (staging.py). Workers are
+processes from a forkserver: the decode is CPU-bound Python/PIL, and a fork of a process
+that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's collection runs
+(`encode_collection`) are both built on `stream`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import GlmVitError
+from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
+from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
+from .sources import Source
+from .staging import DTYPES, OUTPUT_NAMES, make_stager
+
+DEFAULT_WORKERS = max(1, (os.cpu_count() or 2) - 1)  # all cores but one: the engine's host thread
+OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",), "both": OUTPUT_NAMES}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a worker sends back for one input: its canvas, or why there is none."""
+
+    canvas: np.ndarray | None
+    error: str | None
+    nbytes: int | None = None  # of the file (sources only)
+    sha256: str | None = None
+
+
+def prepare(item: Any, processor: ProcessorConfig) -> Prepared:
+    """Read (sources), decode and resize one input in a worker. Every failure is a reason."""
+    nbytes = sha = None
+    try:
+        if isinstance(item, Source):
+            try:
+                data = item.read()
+            except OSError as exc:
+                return Prepared(None, f"{item.name}: cannot read: {exc.strerror or exc}")
+            nbytes, sha = len(data), hashlib.sha256(data).hexdigest()
+            item = EncodedImage(item.name, data)
+        return Prepared(canvas(item, processor), None, nbytes, sha)
+    except GlmVitError as exc:
+        return Prepared(None, str(exc), nbytes, sha)
+    except MemoryError:
+        return Prepared(None, f"{getattr(item, 'name', 'image')}: out of memory while decoding", nbytes, sha)
+
+
+def _quiet_worker() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+
+
+def _main_reimportable() -> bool:
+    """Whether a worker process can start: it re-imports the caller's main script, so that script
+    must exist as a file (not `python - < script`); an interactive session has none and is fine."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path)
+
+
+class Decoder:
+    """In-order decode of an iterable of inputs by `workers` processes (0, or a main script that
+    is no file: in this thread), with at most `window` inputs in flight."""
+
+    def __init__(self, workers: int, processor: ProcessorConfig) -> None:
+        if workers < 0:
+            raise GlmVitError(f"workers {workers}: expected 0 (decode in this process) or more")
+        workers = workers if _main_reimportable() else 0
+        self.processor, self.workers = processor, workers
+        self.window = 4 * workers + 8
+        self.pool: ProcessPoolExecutor | None = None
+        if workers:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["glmvit_cupy.pipeline"])
+            self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker)
+
+    def map(self, items: Iterable[Any]) -> Iterator[Prepared]:
+        if self.pool is None:
+            for item in items:
+                yield prepare(item, self.processor)
+            return
+        queue: deque[Future] = deque()
+        try:
+            for item in items:
+                queue.append(self.pool.submit(prepare, item, self.processor))
+                if len(queue) >= self.window:
+                    yield self._result(queue.popleft())
+            while queue:
+                yield self._result(queue.popleft())
+        finally:
+            for future in queue:
+                future.cancel()
+
+    def start(self) -> None:
+        """Start the worker processes now (they come up while the caller binds the tower)."""
+        if self.pool is not None:
+            for _ in range(self.workers):
+                self.pool.submit(os.getpid)
+
+    @staticmethod
+    def _result(future: Future) -> Prepared:
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            raise GlmVitError(
+                "a decode worker process died (killed, or out of memory; a script that encodes with workers "
+                "needs its top-level code under `if __name__ == \"__main__\":`): retry, or use workers=0") from None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+def plan_batches(patch_counts: Sequence[int], p_max: int) -> list[range]:
+    """The packer's rule, for anyone who needs the same batches (benchmarks): consecutive
+    images, a new batch whenever the next one would take the batch past p_max patches."""
+    batches, start, total = [], 0, 0
+    for i, n in enumerate(patch_counts):
+        if i > start and total + n > p_max:
+            batches.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(patch_counts):
+        batches.append(range(start, len(patch_counts)))
+    return batches
+
+
+@dataclasses.dataclass
+class Encoded:
+    """One input's outcome, in input order: its rows of each output (in the asked dtype) and
+    grid, or the reason it failed."""
+
+    item: Any
+    arrays: dict[str, np.ndarray] | None
+    grid_thw: np.ndarray | None  # int64 [3]
+    error: str | None
+    nbytes: int | None = None
+    sha256: str | None = None
+
+
+@dataclasses.dataclass
+class StreamStats:
+    tokens: int = 0
+    batches: int = 0
+    gpu_ms: float = 0.0
+
+
+def stream(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
+           workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
+           stats: StreamStats | None = None, decoder: Decoder | None = None) -> Iterator[Encoded]:
+    """Encode `items` (sources, paths, PIL images or arrays) through `vit`, yielding one Encoded
+    per item in input order. An output with a non-finite value is a failure of that image."""
+    processor = processor or vit.processor
+    check_processor(processor, vit.geometry)
+    if dtype not in DTYPES:
+        raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    stats = stats if stats is not None else StreamStats()
+    stager = make_stager(vit, outputs, dtype, processor)
+    own = decoder is None
+    decoder = decoder or Decoder(workers, processor)
+    order: deque[list] = deque()  # [item, Encoded or None] per input, in input order
+    batch: list[tuple[list, Prepared]] = []
+    patches = 0
+    in_flight: deque[tuple[Any, list]] = deque()
+
+    def submit() -> None:
+        nonlocal batch, patches
+        grid = np.array([canvas_grid(p.canvas.shape, processor) for _, p in batch], dtype=np.int64)
+        in_flight.append((stager.submit([p.canvas for _, p in batch], grid), batch))
+        batch, patches = [], 0
+
+    def collect() -> None:
+        pending, members = in_flight.popleft()
+        arrays = pending.result()
+        stats.batches += 1
+        stats.gpu_ms += pending.gpu_ms
+        ok = pending.finite
+        for i, (slot, prep) in enumerate(members):
+            a, b = int(pending.offsets[i]), int(pending.offsets[i + 1])
+            if not ok[a:b].all():
+                name = getattr(slot[0], "name", f"image {i}")
+                slot[1] = Encoded(slot[0], None, None, f"{name}: the embedding has non-finite values (NaN or Inf)",
+                                  prep.nbytes, prep.sha256)
+                continue
+            stats.tokens += b - a
+            slot[1] = Encoded(slot[0], {name: arr[a:b] for name, arr in arrays.items()}, pending.grid_thw[i],
+                              None, prep.nbytes, prep.sha256)
+
+    def ready() -> Iterator[Encoded]:
+        while order and order[0][1] is not None:
+            yield order.popleft()[1]
+
+    try:
+        mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
+        for item, prep in zip(mine, decoder.map(theirs)):
+            slot = [item, None]
+            order.append(slot)
+            if prep.error is not None:
+                slot[1] = Encoded(item, None, None, prep.error, prep.nbytes, prep.sha256)
+            else:
+                n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
+                if batch and patches + n > vit.p_max:
+                    submit()
+                    while len(in_flight) > 1:  # two on the engine: k+1 uploads while k computes
+                        collect()
+                batch.append((slot, prep))
+                patches += n
+            yield from ready()
+        if batch:
+            submit()
+        while in_flight:
+            collect()
+            yield from ready()
+    finally:
+        if own:
+            decoder.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What a collection run did."""
+
+    encoded: int
+    skipped: int  # already done in the output directory
+    failed: int
+    tokens: int
+    wall_s: float
+    gpu_busy_s: float | None  # the engine stream's busy time (None on the NumPy backend)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.encoded / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def gpu_busy(self) -> float | None:
+        return None if self.gpu_busy_s is None or not self.wall_s else self.gpu_busy_s / self.wall_s
+
+
+def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, workers: int = DEFAULT_WORKERS,
+                      shard_size: int, output: str = "pooler", dtype: str = "bfloat16",
+                      processor: ProcessorConfig | None = None, fail_fast: bool = False,
+                      progress: Any = None, decoder: Decoder | None = None) -> RunSummary:
+    """Encode `sources` into shards in `out_dir`, skipping those already there (resume).
+    `progress` (progress.Progress) hears `start(inputs to do)`, then `(Encoded, stats)` per input."""
+    outputs = OUTPUTS[output]
+    processor = processor or vit.processor
+    metadata = {"format": FORMAT, "tower": vit.fingerprint, "outputs": ",".join(outputs),
+                "dtype": dtype, "processor": processor_json(processor)}
+    start = time.perf_counter()
+    directory = OutputDir(Path(out_dir), metadata)
+    try:
+        todo = [s for s in sources if s.key not in directory.done]
+        writer = BackgroundWriter(ShardWriter(directory.directory, outputs, dtype, vit.geometry.out_hidden_size,
+                                              shard_size, directory.next_index, metadata))
+        stats, failures, encoded = StreamStats(), [], 0
+        if progress is not None:
+            progress.start(len(todo))
+        try:
+            for result in stream(vit, todo, outputs=outputs, dtype=dtype, workers=workers, processor=processor,
+                                 stats=stats, decoder=decoder):
+                if result.error is not None:
+                    failures.append({**result.item.record(), "error": result.error})
+                    directory.write_failures(failures)
+                    if fail_fast:
+                        raise GlmVitError(f"{result.error} (--fail-fast: stopped at the first failure)")
+                else:
+                    record = {**result.item.record(), "bytes": result.nbytes, "sha256": result.sha256}
+                    writer.add(record, result.arrays, result.grid_thw)
+                    encoded += 1
+                if progress is not None:
+                    progress(result, stats)
+            writer.finish()
+        except KeyboardInterrupt:
+            writer.finish()  # the images already done are kept; the rest is for the next run
+            raise
+        except BaseException:
+            writer.discard()
+            raise
+        finally:
+            directory.write_failures(failures)
+        busy = stats.gpu_ms / 1000 if vit.backend == "cupy" else None
+        return RunSummary(encoded, len(sources) - len(todo), len(failures), stats.tokens,
+                          time.perf_counter() - start, busy)
+    finally:
+        directory.close()
+
+
+def processor_json(processor: ProcessorConfig) -> str:
+    return json.dumps(dataclasses.asdict(processor), sort_keys=True)

@@ -1,0 +1,386 @@
+"""The output directory of a collection run: sharded embeddings that survive interruption.
+
+    DIR/shard-00000.safetensors   pooler_output (and/or last_hidden_state) [tokens, out_hidden]
+                                  for every image of the shard, grid_thw [n, 3], offsets [n + 1]
+    DIR/shard-00000.jsonl         one line an image, in row order: source, bytes, sha256,
+                                  grid_thw, tokens, rows
+    DIR/failures.jsonl            the inputs of the last run that did not encode, and why
+
+A shard is written as it fills: its first output streams into a temporary file behind a
+header area sized for the largest numbers a header can hold (safetensors allows trailing
+spaces in the header), further outputs into side files appended at the end, so memory holds
+no more than one image's rows. Then fsync and rename: first the .safetensors, then its
+.jsonl, which is what makes a shard count as done. A run killed at any moment leaves only
+whole shards and hidden `.tmp-` files; the next run on the directory (holding a lock on it)
+removes those and any .safetensors without its .jsonl, and skips every input already done.
+Each shard's metadata records the settings it was made with, so a resume with other settings
+(model, dtype, outputs, processor) is refused instead of mixing embeddings.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import queue
+import re
+import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .errors import GlmVitError
+from .reference import bf16_to_f32
+from .staging import DTYPES
+
+SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
+TMP_PREFIX = ".tmp-"
+FORMAT = "glmvit-cupy embeddings 1"
+FAILURES = "failures.jsonl"
+_MAX_INT = 10 ** 20 - 1  # more digits than any int64 a header holds
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def create_private_temp(directory: Path, name: str) -> tuple[int, Path]:
+    """A new hidden temp file in `directory` with the permissions the umask gives (0666 & ~umask):
+    what the final file will have once renamed."""
+    for attempt in range(100):
+        path = directory / f"{TMP_PREFIX}{name}.{os.getpid()}.{attempt}"
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), path
+        except FileExistsError:
+            continue
+    raise GlmVitError(f"{directory}: cannot create a temporary file for {name}")
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a hidden temp file beside `path`, fsync, rename; nothing left on failure."""
+    fd, tmp = create_private_temp(path.parent, path.name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _header(tensors: dict[str, tuple[str, list[int], int, int]], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for name, (dtype, shape, begin, end) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+class _OpenShard:
+    """The shard being filled: its temp files, rows so far and metadata lines."""
+
+    def __init__(self, directory: Path, index: int, outputs: Sequence[str], reserve: int) -> None:
+        self.index, self.outputs, self.reserve = index, tuple(outputs), reserve
+        self.files: dict[str, tuple[Any, Path]] = {}
+        for i, name in enumerate(self.outputs):
+            fd, path = create_private_temp(directory, f"{shard_name(index)}.{name}" if i else
+                                           f"{shard_name(index)}.safetensors")
+            f = os.fdopen(fd, "wb+")
+            if i == 0:
+                f.seek(8 + reserve)
+            self.files[name] = (f, path)
+        self.records: list[dict] = []
+        self.grids: list[list[int]] = []
+        self.rows = 0
+
+    def remove(self) -> None:
+        for f, path in self.files.values():
+            f.close()
+            path.unlink(missing_ok=True)
+
+
+class ShardWriter:
+    """Appends images to shards of `shard_size` images in `directory`, numbered from `first_index`."""
+
+    def __init__(self, directory: Path, outputs: Sequence[str], dtype: str, width: int, shard_size: int,
+                 first_index: int, metadata: dict[str, str]) -> None:
+        self.directory, self.outputs, self.dtype, self.width = directory, tuple(outputs), dtype, width
+        self.shard_size, self.next_index, self.metadata = shard_size, first_index, metadata
+        self.st_dtype = DTYPES[dtype][1]
+        worst = {name: (self.st_dtype, [_MAX_INT, _MAX_INT], _MAX_INT, _MAX_INT) for name in self.outputs}
+        worst.update(grid_thw=("I64", [_MAX_INT, 3], _MAX_INT, _MAX_INT), offsets=("I64", [_MAX_INT], _MAX_INT, _MAX_INT))
+        self.reserve = -(-len(_header(worst, metadata)) // 8) * 8
+        self.shard: _OpenShard | None = None
+        self.written: list[Path] = []
+        # Sealing (fsync, renames) runs on a thread of its own, in shard order: an fsync of a shard
+        # of photos takes up to a second, during which the next shard keeps filling.
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-cupy seal")
+        self._sealing: list[Future] = []
+
+    def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
+        """One image: its metadata line (source fields) and its rows of each output."""
+        if self.shard is None:
+            self.shard = _OpenShard(self.directory, self.next_index, self.outputs, self.reserve)
+            self.next_index += 1
+        shard = self.shard
+        rows = len(arrays[self.outputs[0]])
+        for name in self.outputs:
+            data = np.ascontiguousarray(arrays[name], dtype=DTYPES[self.dtype][0])
+            if data.shape != (rows, self.width):
+                raise GlmVitError(f"{name} of {record.get('path')} has shape {list(data.shape)}, "
+                                  f"expected [{rows}, {self.width}]")
+            f = shard.files[name][0]
+            start = f.tell()
+            f.write(data.data)
+            if name == self.outputs[0]:  # start its writeback now, so that sealing has little left
+                f.flush()
+                os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
+        shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
+                              "rows": [shard.rows, shard.rows + rows]})
+        shard.grids.append([int(v) for v in grid_thw])
+        shard.rows += rows
+        if len(shard.records) >= self.shard_size:
+            self.finish()
+
+    def finish(self) -> None:
+        """Hand the shard in flight (if it holds any image) to the sealer: header, fsync, rename,
+        metadata. An error of an earlier seal is raised here."""
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            self._sealing.append(self._sealer.submit(self._seal_or_remove, shard))
+        self._reap(wait=False)
+
+    def close(self) -> None:
+        """Wait until every shard handed over is sealed; raise the first error."""
+        self._reap(wait=True)
+        self._sealer.shutdown()
+
+    def _reap(self, wait: bool) -> None:
+        while self._sealing and (wait or self._sealing[0].done()):
+            self._sealing.pop(0).result()
+
+    def _seal_or_remove(self, shard: _OpenShard) -> None:
+        try:
+            self._seal(shard)
+        except BaseException:
+            shard.remove()
+            raise
+
+    def _seal(self, shard: _OpenShard) -> None:
+        n, rows, itemsize = len(shard.records), shard.rows, np.dtype(DTYPES[self.dtype][0]).itemsize
+        main, main_path = shard.files[self.outputs[0]]
+        tensors, cursor = {}, 0
+        for name in self.outputs:
+            size = rows * self.width * itemsize
+            tensors[name] = (self.st_dtype, [rows, self.width], cursor, cursor + size)
+            cursor += size
+        for name in self.outputs[1:]:  # side files after the first output's rows
+            side, _ = shard.files[name]
+            side.flush()
+            side.seek(0)
+            while chunk := side.read(64 << 20):
+                main.write(chunk)
+        grid = np.array(shard.grids, dtype=np.int64).reshape(n, 3)
+        offsets = np.array([0] + [r["rows"][1] for r in shard.records], dtype=np.int64)
+        for name, array in (("grid_thw", grid), ("offsets", offsets)):
+            tensors[name] = ("I64", list(array.shape), cursor, cursor + array.nbytes)
+            main.write(array.tobytes())
+            cursor += array.nbytes
+        header = _header(tensors, self.metadata)
+        main.seek(0)
+        main.write(struct.pack("<Q", self.reserve) + header + b" " * (self.reserve - len(header)))
+        main.flush()
+        os.fsync(main.fileno())
+        final = self.directory / f"{shard_name(shard.index)}.safetensors"
+        os.replace(main_path, final)
+        shard.remove()  # closes the files; the side files go, the renamed main is no longer there
+        lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in shard.records)
+        write_file_atomic(self.directory / f"{shard_name(shard.index)}.jsonl", lines.encode())
+        _fsync_dir(self.directory)
+        self.written.append(final)
+
+    def discard(self) -> None:
+        """Drop the shard in flight (its temp files); shards already handed over are sealed."""
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            shard.remove()
+        try:
+            self.close()
+        except Exception:
+            pass  # the run is failing already: its first error is the one to report
+
+
+class BackgroundWriter:
+    """A ShardWriter on its own thread, so that disk writes and fsyncs (a shard of photos is
+    ~1 GB) never hold up the thread feeding the engine. The queue holds at most `depth` images;
+    an error in the thread comes back on the next call."""
+
+    def __init__(self, writer: ShardWriter, depth: int = 64) -> None:
+        self.writer, self.error = writer, None
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="glmvit-cupy shard writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.writer.add(*job)
+                except BaseException as exc:  # kept for the feeding thread, which raises it
+                    self.error = exc
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
+        self._check()
+        self.queue.put((record, arrays, grid_thw))
+
+    def _drain(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def finish(self) -> None:
+        """Write what is queued, seal the shard in flight, wait for every seal."""
+        self._drain()
+        self._check()
+        self.writer.finish()
+        self.writer.close()
+
+    def discard(self) -> None:
+        self._drain()
+        self.writer.discard()
+
+
+def read_header(path: Path) -> dict:
+    """A shard's safetensors header (tensor entries and __metadata__)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise GlmVitError(f"{path}: truncated shard")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            return json.loads(f.read(min(n, 100 << 20)))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise GlmVitError(f"{path}: corrupt shard header: {exc}") from None
+
+
+def complete_shards(directory: Path) -> list[tuple[int, Path, Path]]:
+    """(index, .safetensors, .jsonl) of every finished shard, by index."""
+    found = []
+    for entry in directory.iterdir():
+        match = SHARD.match(entry.name)
+        if match and entry.with_suffix(".jsonl").is_file():
+            found.append((int(match.group(1)), entry, entry.with_suffix(".jsonl")))
+    return sorted(found)
+
+
+def _records(jsonl: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GlmVitError(f"{jsonl}: unreadable shard metadata: {exc}") from None
+
+
+class OutputDir:
+    """An output directory opened for a run: locked, cleaned, its finished work known."""
+
+    def __init__(self, directory: Path, metadata: dict[str, str]) -> None:
+        self.directory = directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._lock = os.open(directory, os.O_RDONLY)
+        except OSError as exc:
+            raise GlmVitError(f"{directory}: cannot use as the output directory: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise GlmVitError(f"{directory}: another run is writing to this directory") from None
+        self.removed = self._clean()
+        self.done: dict[str, dict] = {}
+        self.next_index = 0
+        for index, shard, jsonl in complete_shards(directory):
+            theirs = read_header(shard).get("__metadata__", {})
+            for field in ("format", "tower", "outputs", "dtype", "processor"):
+                if theirs.get(field) != metadata.get(field):
+                    raise GlmVitError(
+                        f"{shard}: made with {field} {theirs.get(field)!r}, this run has {metadata.get(field)!r}; "
+                        "use another --out-dir, or the settings it was made with")
+            for record in _records(jsonl):
+                self.done[record_key(record)] = record
+            self.next_index = index + 1
+
+    def _clean(self) -> int:
+        """Remove what an interrupted run left: temp files, shards without their metadata, and
+        metadata without its shard."""
+        removed = 0
+        for entry in self.directory.iterdir():
+            match = SHARD.match(entry.name)
+            orphan = (match and not entry.with_suffix(".jsonl").exists()) or (
+                entry.suffix == ".jsonl" and SHARD.match(entry.with_suffix(".safetensors").name)
+                and not entry.with_suffix(".safetensors").exists())
+            if entry.name.startswith(TMP_PREFIX) or orphan:
+                entry.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def write_failures(self, failures: list[dict]) -> None:
+        path = self.directory / FAILURES
+        if failures:
+            write_file_atomic(path, "".join(json.dumps(f, separators=(",", ":")) + "\n" for f in failures).encode())
+        else:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        os.close(self._lock)
+
+
+def record_key(record: dict) -> str:
+    """The resume identity of a metadata line (the same as sources.Source.key)."""
+    return record["path"] if record.get("member") is None else f"{record['path']}::{record['key']}"
+
+
+def read_embeddings(directory: str | Path) -> Iterator[tuple[dict, dict[str, np.ndarray]]]:
+    """Every image of a finished output directory, in shard and row order: (its metadata line,
+    {output name: float32 [tokens, out_hidden], "grid_thw": int64 [3]}). Shards are memory-mapped,
+    so a collection of any size is read one image at a time."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise GlmVitError(f"{directory}: not a directory")
+    for _, shard, jsonl in complete_shards(directory):
+        header = read_header(shard)
+        data_start = 8 + struct.unpack("<Q", shard.open("rb").read(8))[0]
+        raw = np.memmap(shard, dtype=np.uint8, mode="r")
+        names = [n for n in header if n not in ("__metadata__", "grid_thw", "offsets")]
+        views = {}
+        for name in names:
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            kind = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[entry["dtype"]]
+            views[name] = (raw[data_start + begin:data_start + end].view(kind).reshape(entry["shape"]), entry["dtype"])
+        for record in _records(jsonl):
+            a, b = record["rows"]
+            arrays = {name: (bf16_to_f32(v[a:b]) if dt == "BF16" else v[a:b].astype(np.float32))
+                      for name, (v, dt) in views.items()}
+            arrays["grid_thw"] = np.array(record["grid_thw"], dtype=np.int64)
+            yield record, arrays

@@ -1,0 +1,141 @@
+"""Writing outputs atomically: safetensors files, small files, whole directories, and the
+CLI's output files (write_atomic).
+
+`checkpoint` only reads; what writes a checkpoint (`extract`, a real tower; `synthetic`, random
+weights) shares this. A directory appears at its destination whole or not at all: it is built
+in a temporary directory beside the destination, every file fsynced, then renamed into place;
+on any failure (a full disk included) the temporary directory and all in it are removed.
+Temporaries are created with mode 0666 / 0777 for the kernel to apply the umask, as a plain
+open() / mkdir() would (tempfile's 0600 would survive the rename and make every output private).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import secrets
+import shutil
+import struct
+from pathlib import Path
+from typing import IO, Callable, Iterable, Iterator
+
+from .errors import GlmVitError
+
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, chunks: Iterable[bytes]) -> int:
+    """Write `chunks` to `path` (a temporary name, fsync, rename); returns the bytes written."""
+    tmp = path.with_name(path.name + ".tmp")
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                size += memoryview(chunk).nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data: Iterator[bytes]) -> int:
+    """Write one safetensors file: header of (name, dtype, shape) in order, then each tensor's
+    bytes as `data` yields them (any buffer of the right length). Returns its size."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in specs:
+        n = math.prod(shape) * ITEMSIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+
+    def chunks() -> Iterator[bytes]:
+        yield struct.pack("<Q", len(blob)) + blob
+        for (name, _, _), chunk in zip(specs, data):
+            begin, end = header[name]["data_offsets"]
+            assert memoryview(chunk).nbytes == end - begin, name
+            yield chunk
+
+    return write_file(path, chunks())
+
+
+@contextlib.contextmanager
+def atomic_directory(destination: Path) -> Iterator[Path]:
+    """A new empty directory beside `destination` (absent, or an empty directory) to fill; renamed
+    to `destination` when the block completes, removed with its contents when it raises. An OSError (ENOSPC, EIO, ...)
+    becomes a one-line GlmVitError."""
+    if destination.is_symlink() or destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise GlmVitError(f"{destination}: exists; refusing to write over it")  # an empty directory is replaced
+    parent = destination.parent
+    if not parent.is_dir():
+        raise GlmVitError(f"{destination}: directory {parent} does not exist")
+    tmp = parent / f".{destination.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.mkdir(tmp)  # mode 0o777 less the umask: a checkpoint others may read
+    except OSError as exc:
+        raise GlmVitError(f"{destination}: cannot write there: {exc.strerror}") from None
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        os.rename(tmp, destination)
+        _fsync_dir(parent)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GlmVitError(f"{destination}: writing failed ({exc.strerror or exc}); nothing was left "
+                          "behind") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_failure(target: Path, exc: OSError) -> GlmVitError:
+    """A failed write as one line, with what to do about a full disk. (NumPy's tofile reports a
+    short write without an errno: "N requested and M written".)"""
+    reason = exc.strerror or f"{exc} (a short write: the disk is full or a file size limit was hit)"
+    hint = (": free some space there or write elsewhere"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, None) else "")
+    return GlmVitError(f"{target}: cannot write: {reason}{hint}")
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """`write` into a fresh temporary file beside `path` (O_EXCL, mode 0666 less the umask),
+    fsync, then rename it over `path`; on failure nothing is left and `path` is as it was."""
+    path = Path(path)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise GlmVitError(f"{path}: cannot write there: {exc.strerror}") from None
+    else:
+        raise GlmVitError(f"{path}: cannot find a free temporary name beside it")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise write_failure(path, exc) from None
+        raise

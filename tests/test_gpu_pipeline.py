@@ -1,0 +1,118 @@
+"""The collection pipeline on a real GPU (marked `gpu`): the device patchify, the staged
+(pinned, copy-stream) forward, several engines over one bound checkpoint, and the overlap."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy import GlmVit
+from glmvit_cupy.checkpoint import bind_checkpoint
+from glmvit_cupy.pipeline import StreamStats, plan_batches, stream
+from glmvit_cupy.preprocess import ProcessorConfig, canvas, canvas_grid, patchify, pixel_table, preprocess
+from glmvit_cupy.staging import CupyStager
+from helpers import photo_like
+
+pytestmark = pytest.mark.gpu
+SIZES = [(448, 448), (333, 517), (1200, 900), (56, 700), (640, 480), (96, 96), (1600, 1064), (700, 520)]
+
+
+@pytest.fixture(scope="module")
+def vit(real_ckpt):
+    return GlmVit.from_pretrained(real_ckpt, backend="cupy")
+
+
+@pytest.fixture(scope="module")
+def canvases():
+    return [canvas(photo_like(h, w, seed=i)) for i, (h, w) in enumerate(SIZES)]
+
+
+def test_device_patchify_is_bit_identical_to_the_cpu_path(vit, canvases):
+    """patchify_u8 from uint8 canvases gives the patch-embed GEMM the same BF16 bits as
+    f32_to_bf16 of the CPU path's float32 pixel_values."""
+    import cupy
+
+    k, processor = vit.tower.k, ProcessorConfig()
+    pixels = np.concatenate([patchify(c, processor) for c in canvases])
+    want = cupy.empty(pixels.shape, dtype=cupy.uint16)
+    k.f32_to_bf16(cupy.asarray(pixels), want)
+    flat = np.concatenate([c.reshape(-1) for c in canvases])
+    rows = np.cumsum([0] + [int(np.prod(canvas_grid(c.shape))) for c in canvases])
+    starts = np.cumsum([0] + [c.size for c in canvases])
+    images = np.array([(rows[i], starts[i], c.shape[1] // 14, 0) for i, c in enumerate(canvases)], dtype=np.int32)
+    got = cupy.full(pixels.shape, 0xFFFF, dtype=cupy.uint16)
+    k.patchify_u8(cupy.asarray(flat), cupy.asarray(images), len(canvases), cupy.asarray(pixel_table(processor)),
+                  got, 14, 2)
+    assert np.array_equal(got.get(), want.get())
+
+
+def test_staged_forward_equals_forward_in_every_dtype(vit, canvases):
+    """Two batches in flight through the stager give, per dtype, the forward's float32 outputs
+    cast once; the second batch's upload overlapped the first's compute."""
+    import cupy
+
+    batches = [canvases[:3], canvases[3:]]
+    grids = [np.array([canvas_grid(c.shape) for c in b], dtype=np.int64) for b in batches]
+    want = []
+    for b, grid in zip(batches, grids):
+        pixels = np.concatenate([patchify(c) for c in b])
+        out = vit.forward(pixels, grid)
+        want.append({"pooler_output": out.pooler_output.get(), "last_hidden_state": out.last_hidden_state.get()})
+    for dtype in ("float32", "bfloat16", "float16"):
+        stager = CupyStager(vit.tower, ("pooler_output", "last_hidden_state"), dtype, ProcessorConfig())
+        pending = [stager.submit(b, g) for b, g in zip(batches, grids)]
+        for p, w in zip(pending, want):
+            got = p.result()
+            for name in w:
+                if dtype == "float32":
+                    expect = w[name]
+                elif dtype == "float16":
+                    expect = w[name].astype(np.float16)
+                else:
+                    bits = cupy.empty(w[name].shape, dtype=cupy.uint16)
+                    vit.tower.k.f32_to_bf16(cupy.asarray(w[name]), bits)
+                    expect = bits.get()
+                assert got[name].dtype == expect.dtype and np.array_equal(got[name], expect), (dtype, name)
+            assert p.gpu_ms > 0
+
+
+def test_engines_with_their_own_budgets_and_devices_share_one_bound_checkpoint(real_ckpt, vit):
+    weights = bind_checkpoint(real_ckpt)
+    small = GlmVit.from_weights(weights, "cupy", max_pixels=448 * 448, device=0)
+    large = GlmVit.from_weights(weights, "cupy", max_pixels=2 * 448 * 448, device=0)
+    assert (small.p_max, large.p_max) == (1024, 2048)
+    assert small.tower.device.id == 0 and small.tower.stream is not large.tower.stream
+    pixels, grid = preprocess(photo_like(448, 448, 3))
+    a, b, c = (v.forward(pixels, grid).pooler_output.get() for v in (small, large, vit))
+    assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def test_encode_iter_equals_forward_and_keeps_the_gpu_busy(vit, tmp_path):
+    """encode_iter over files in mixed sizes: each result equals forward on the same batch's
+    images (the packer's batches), and the GPU-busy fraction is measured, not assumed."""
+    paths = []
+    for i in range(48):
+        h, w = SIZES[i % len(SIZES)]
+        paths.append(tmp_path / f"p{i:02d}.{'jpg' if i % 2 else 'png'}")
+        Image.fromarray(photo_like(h, w, seed=100 + i)).save(paths[-1], quality=92)
+    results = dict(vit.encode_iter(paths))
+    assert list(results) == paths
+    prepared = [canvas(p) for p in paths]
+    counts = [int(np.prod(canvas_grid(c.shape))) for c in prepared]
+    for batch in plan_batches(counts, vit.p_max)[:2]:
+        pixels = np.concatenate([patchify(prepared[i]) for i in batch])
+        grid = np.array([canvas_grid(prepared[i].shape) for i in batch], dtype=np.int64)
+        for j, part in zip(batch, vit.forward(pixels, grid).split()):
+            assert np.array_equal(results[paths[j]].pooler_output, part.pooler_output.get())
+            assert np.array_equal(results[paths[j]].last_hidden_state, part.last_hidden_state.get())
+    stats = StreamStats()
+    start = time.perf_counter()
+    n = sum(1 for _ in stream(vit, paths * 4, outputs=("pooler_output",), dtype="bfloat16", stats=stats))
+    wall = time.perf_counter() - start
+    busy = stats.gpu_ms / 1000 / wall
+    print(f"stream: {n} images in {wall:.2f} s ({n / wall:.1f} images/s, {stats.tokens / wall:,.0f} tokens/s), "
+          f"{stats.batches} batches, GPU busy {100 * busy:.0f}%")
+    assert n == 4 * len(paths) and 0 < busy <= 1.0
