@@ -120,8 +120,9 @@ class GlmVit:
     """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend.
 
     One GlmVit may be shared by threads (a web service): on the GPU, calls take turns (the
-    engine's scratch, CUDA graphs and uploaded tables are per engine); the NumPy backend keeps
-    no state between calls, so its calls run concurrently."""
+    engine's scratch, CUDA graphs and uploaded tables are per engine); on the NumPy backend,
+    which keeps no state between calls, forward calls run concurrently and encode streams take
+    turns (they share the decode pool)."""
 
     def __init__(self, tower: Any, backend: str, backend_note: str, fingerprint: str,
                  processor: ProcessorConfig) -> None:
@@ -133,7 +134,11 @@ class GlmVit:
         check_processor(processor, self.geometry)
         self.processor = processor
         self._pool: Decoder | None = None
-        self._turns = threading.Lock() if backend == "cupy" else contextlib.nullcontext()
+        self._turns = threading.Lock() if backend == "cupy" else contextlib.nullcontext()  # forward
+        # One encode stream at a time: streams share the decode pool (rebuilt for other settings)
+        # and, on the GPU, the engine's buffers, which forward uses too (the same lock there).
+        self._streams = self._turns if backend == "cupy" else threading.Lock()
+        self._streaming: int | None = None  # the thread running an encode stream
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
@@ -225,6 +230,9 @@ class GlmVit:
         if tuple(pixel_values.shape) != (patches, geo.patch_dim):
             raise GlmVitError(f"pixel_values has shape {list(pixel_values.shape)}; grid_thw needs "
                               f"[{patches}, {geo.patch_dim}]")
+        if self.backend == "cupy" and self._streaming == threading.get_ident():
+            raise GlmVitError("forward called inside an encode_iter loop of the same GPU GlmVit (whose batches "
+                              "are staged in the engine's buffers): finish or close that loop first")
         with self._turns:
             last_hidden, pooler = self.tower.forward(pixel_values, grid)
         return GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
@@ -237,16 +245,25 @@ class GlmVit:
         processes (default: all cores but one; 0: in this thread), images are packed into forward
         calls of at most p_max patches, and memory stays bounded however many images come.
         Outputs are float32 NumPy arrays on every backend. A failing image raises GlmVitError
-        naming it, after every image before it was yielded."""
-        processor = self._processor(min_image_tokens, max_image_tokens)
-        n = DEFAULT_WORKERS if workers is None else workers
-        decoder = self._decoder(n, processor)
-        for result in stream(self, images, dtype="float32", processor=processor, decoder=decoder):
-            if result.error is not None:
-                raise GlmVitError(result.error)
-            one = np.array([0, len(result.arrays["pooler_output"])])
-            yield result.item, GlmVitOutput(result.arrays["last_hidden_state"], result.arrays["pooler_output"],
-                                            result.grid_thw[None], one)
+        naming it, after every image before it was yielded. Threads sharing this GlmVit take turns
+        (a loop not run to its end holds the turn until it is closed or dropped)."""
+        if self._streaming == threading.get_ident():
+            raise GlmVitError("encode called inside an encode_iter loop of the same GlmVit: finish or close "
+                              "that loop first")
+        with self._streams:
+            self._streaming = threading.get_ident()
+            try:
+                processor = self._processor(min_image_tokens, max_image_tokens)
+                n = DEFAULT_WORKERS if workers is None else workers
+                decoder = self._decoder(n, processor)
+                for result in stream(self, images, dtype="float32", processor=processor, decoder=decoder):
+                    if result.error is not None:
+                        raise GlmVitError(result.error)
+                    one = np.array([0, len(result.arrays["pooler_output"])])
+                    yield result.item, GlmVitOutput(result.arrays["last_hidden_state"],
+                                                    result.arrays["pooler_output"], result.grid_thw[None], one)
+            finally:
+                self._streaming = None
 
     def encode(self, images: ImageLike | Sequence[ImageLike], *, workers: int | None = None,
                min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> list[GlmVitOutput]:

@@ -131,17 +131,21 @@ def test_encode_names_the_file_whose_embedding_overflows(tmp_path):
 
 
 def threads_get_their_own_results(vit: GlmVit) -> None:
-    """8 threads, each encoding its own mix of sizes through one GlmVit (twice over), every
-    result bit-equal to a single-threaded run of the same images."""
+    """8 threads, each encoding its own mix of sizes through one GlmVit (twice over), half of
+    them with a token budget of their own (the decode pool is rebuilt for other settings),
+    every result bit-equal to a single-threaded run of the same images; forward calls mixed in."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def pooled(images) -> list[np.ndarray]:
+    def pooled(job) -> list[np.ndarray]:
+        images, budget = job
+        if budget == 0:  # a forward call, not encode
+            return [vit.forward(*preprocess(images)).pooler_output]
         return [np.asarray(r.pooler_output.get() if hasattr(r.pooler_output, "get") else r.pooler_output)
-                for r in vit.encode(images)]
+                for r in vit.encode(images, max_image_tokens=budget)]
 
     sizes = [(28, 28), (56, 84), (112, 56), (70, 140), (28, 224), (98, 98), (140, 42), (56, 56)]
-    jobs = [[photo_like(*sizes[(t + k) % len(sizes)], seed=10 * t + k) for k in range(1 + t % 3)]
-            for t in range(8)]
+    jobs = [([photo_like(*sizes[(t + k) % len(sizes)], seed=10 * t + k) for k in range(1 + t % 3)],
+             (8000, 20, 0)[t % 3]) for t in range(8)]
     expected = [pooled(images) for images in jobs]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible, so that races show
@@ -156,9 +160,21 @@ def threads_get_their_own_results(vit: GlmVit) -> None:
         assert all(np.array_equal(a, b) for a, b in zip(results, want)), f"thread {t} got another's result"
 
 
+def test_encode_inside_an_encode_iter_loop_is_refused(vit):
+    """The same thread cannot wait for its own turn: one line instead of a deadlock."""
+    images = [photo_like(28, 28, 1), photo_like(56, 28, 2)]
+    loop = vit.encode_iter(images, workers=0)
+    next(loop)
+    with pytest.raises(GlmVitError, match=r"encode called inside an encode_iter loop of the same GlmVit"):
+        vit.encode(images[0], workers=0)
+    assert len(list(loop)) == 1 and len(vit.encode(images, workers=0)) == 2  # the turn is free again
+
+
 def test_threads_sharing_one_glmvit_get_their_own_results(vit):
-    """The NumPy backend keeps nothing between calls, so its calls run concurrently. (Keeping
-    per-call state on the tower, e.g. the RoPE tables, fails this test with shape errors.)"""
+    """The NumPy forward keeps nothing between calls, so its calls run concurrently (keeping
+    per-call state on the tower, e.g. the RoPE tables, fails this test with shape errors);
+    encode streams take turns (without, one thread's rebuild of the decode pool shut down
+    another's: "cannot schedule new futures after shutdown")."""
     threads_get_their_own_results(vit)
 
 
