@@ -328,6 +328,14 @@ def tensor_names(directory: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise GlmVitError(f"{index}: cannot read the shard index: {exc!r}") from None
+        if not isinstance(weight_map, dict):
+            raise GlmVitError(f"{index}: weight_map is a {type(weight_map).__name__}, expected "
+                              "{tensor name: shard file name}")
+        for name, shard in weight_map.items():
+            # A plain file name in this directory: an index cannot send the reader elsewhere.
+            if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+                raise GlmVitError(f"{index}: weight_map places {name} in {shard!r}, not a file name in "
+                                  f"{directory}")
         return {name: directory / shard for name, shard in weight_map.items()}
     single = directory / SINGLE_FILE
     if single.is_file():

@@ -390,3 +390,18 @@ def test_fuzzed_headers_bind_correctly_or_fail_in_one_line(base, tmp_path_factor
     assert tensors is not None, "bound a header the safetensors library refuses"
     for short in weights.location.entries:
         assert weights.raw(short).tobytes() == tensors[PREFIX + short]["data"], short
+
+
+@pytest.mark.parametrize("weight_map, message", [
+    ([], r"weight_map is a list, expected \{tensor name: shard file name\}"),
+    ({"model.visual.patch_embed.proj.weight": 5}, r"places model\.visual\.patch_embed\.proj\.weight in 5, not a file"),
+    ({"model.visual.patch_embed.proj.weight": "../model.safetensors"}, r"in '\.\./model\.safetensors', not a file"),
+    ({"model.visual.patch_embed.proj.weight": "/etc/passwd"}, r"in '/etc/passwd', not a file name"),
+])
+def test_a_broken_shard_index_is_one_line(tmp_path, weight_map, message):
+    ckpt = write_checkpoint(tmp_path / "c", GEO, seed=22, decoy_bytes=1024)
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(GlmVitError, match=message) as info:
+        bind_checkpoint(ckpt)
+    assert "\n" not in str(info.value) and str(index) in str(info.value)
