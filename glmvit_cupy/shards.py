@@ -150,8 +150,8 @@ class ShardWriter:
             f = shard.files[name][0]
             start = f.tell()
             f.write(data.data)
-            if name == self.outputs[0]:  # start its writeback now, so that sealing has little left
-                f.flush()
+            if name == self.outputs[0] and hasattr(os, "posix_fadvise"):  # start its writeback now,
+                f.flush()                                                    # so that sealing has little left
                 os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
         shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
                               "rows": [shard.rows, shard.rows + rows]})
