@@ -47,10 +47,10 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _write_error(directory: Path, exc: OSError) -> GlmVitError:
+    """An OSError while writing shards (a full disk, a quota, a lost mount) as one line."""
+    return GlmVitError(f"{directory}: writing the embeddings failed: {exc.strerror or exc}; only whole shards are "
+                       "kept: free some space (or fix the directory) and run the same command again")
 
 
 def create_private_temp(directory: Path, name: str) -> tuple[int, Path]:
@@ -137,6 +137,12 @@ class ShardWriter:
 
     def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
         """One image: its metadata line (source fields) and its rows of each output."""
+        try:
+            self._add(record, arrays, grid_thw)
+        except OSError as exc:
+            raise _write_error(self.directory, exc) from None
+
+    def _add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
         if self.shard is None:
             self.shard = _OpenShard(self.directory, self.next_index, self.outputs, self.reserve)
             self.next_index += 1
@@ -150,8 +156,8 @@ class ShardWriter:
             f = shard.files[name][0]
             start = f.tell()
             f.write(data.data)
-            if name == self.outputs[0]:  # start its writeback now, so that sealing has little left
-                f.flush()
+            if name == self.outputs[0] and hasattr(os, "posix_fadvise"):  # start its writeback now,
+                f.flush()                                                    # so that sealing has little left
                 os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
         shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
                               "rows": [shard.rows, shard.rows + rows]})
@@ -180,8 +186,11 @@ class ShardWriter:
     def _seal_or_remove(self, shard: _OpenShard) -> None:
         try:
             self._seal(shard)
-        except BaseException:
+        except BaseException as exc:
             shard.remove()
+            (self.directory / f"{shard_name(shard.index)}.safetensors").unlink(missing_ok=True)  # no .jsonl: not done
+            if isinstance(exc, OSError):
+                raise _write_error(self.directory, exc) from None
             raise
 
     def _seal(self, shard: _OpenShard) -> None:

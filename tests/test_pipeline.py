@@ -260,3 +260,50 @@ def test_plan_batches_packs_in_order_under_the_budget():
     assert plan_batches([3, 3, 3, 5, 1, 8], 8) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
     assert plan_batches([10], 8) == [range(0, 1)]  # the engine refuses it with the number at fault
     assert plan_batches([], 8) == []
+
+
+FULL_DISK = r'''
+import errno, sys
+import glmvit_cupy.shards as shards
+opened = shards._OpenShard.__init__
+count = [0]
+
+
+class Full:  # the disk fills up in the second shard
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def init(self, *args, **kwargs):
+    opened(self, *args, **kwargs)
+    count[0] += 1
+    if count[0] == 2:
+        f, path = self.files[self.outputs[0]]
+        self.files[self.outputs[0]] = (Full(f), path)
+
+
+shards._OpenShard.__init__ = init
+import cli
+cli.main()
+'''
+
+
+def test_a_full_disk_is_one_line_and_leaves_whole_shards(tmp_path, tiny):
+    make_images(tmp_path / "img", 12, seed=7)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, "encode", str(tmp_path / "img"), "--model", tiny,
+                           "--out-dir", str(out), "--backend", "numpy", "--workers", "1", "--shard-size", "5", "-q"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"glmvit-cupy: error: {out}: writing the embeddings "
+                                                           "failed: No space left on device")
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.jsonl", "shard-00000.safetensors"]
+    again = run("encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
+                "--workers", "1", "--shard-size", "5")
+    assert again.returncode == 0 and "skipped 5" in again.stderr and len(records(out)) == 12
