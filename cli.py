@@ -18,12 +18,12 @@ from typing import Callable
 import click
 import numpy as np
 
-from glmvit_cupy.writer import write_atomic
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.pipeline import DEFAULT_WORKERS, OUTPUTS
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.staging import DTYPES
+from glmvit_cupy.writer import write_atomic
 
 MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
               "org/name[@revision] already in the local cache (never downloaded).")

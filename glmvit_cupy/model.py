@@ -200,19 +200,6 @@ class GlmVit:
     def forward(self, pixel_values: Any, grid_thw: Any) -> GlmVitOutput:
         """pixel_values float [P, patch_dim] (NumPy or, on the GPU, CuPy) and grid_thw int [N, 3].
         An output holding NaN or Inf is refused (GlmVitError naming the image), never returned."""
-        out = self._forward(pixel_values, grid_thw)
-        labels = [f"image {i} of this forward call" for i in range(len(out.grid_thw))]
-        _refuse_nonfinite(out, labels, self._xp())
-        return out
-
-    def _xp(self) -> Any:
-        """The array module of this backend's outputs."""
-        if self.backend == "cupy":
-            import cupy
-            return cupy
-        return np
-
-    def _forward(self, pixel_values: Any, grid_thw: Any) -> GlmVitOutput:
         geo = self.geometry
         arrays = (np.ndarray,) if self.backend == "numpy" else (np.ndarray, self._xp().ndarray)
         _check_type("pixel_values", pixel_values, arrays,
@@ -235,7 +222,16 @@ class GlmVit:
                               "are staged in the engine's buffers): finish or close that loop first")
         with self._turns:
             last_hidden, pooler = self.tower.forward(pixel_values, grid)
-        return GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
+        out = GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
+        _refuse_nonfinite(out, [f"image {i} of this forward call" for i in range(len(grid))], self._xp())
+        return out
+
+    def _xp(self) -> Any:
+        """The array module of this backend's outputs."""
+        if self.backend == "cupy":
+            import cupy
+            return cupy
+        return np
 
     def encode_iter(self, images: Iterable[ImageLike], *, workers: int | None = None,
                     min_image_tokens: int | None = None,

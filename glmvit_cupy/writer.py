@@ -77,11 +77,12 @@ def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data:
 
 @contextlib.contextmanager
 def atomic_directory(destination: Path) -> Iterator[Path]:
-    """A new empty directory beside `destination` (absent, or an empty directory) to fill; renamed
-    to `destination` when the block completes, removed with its contents when it raises. An OSError (ENOSPC, EIO, ...)
-    becomes a one-line GlmVitError."""
-    if destination.is_symlink() or destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
-        raise GlmVitError(f"{destination}: exists; refusing to write over it")  # an empty directory is replaced
+    """A new empty directory beside `destination` (absent, or an empty directory, which the
+    rename replaces) to fill; renamed to `destination` when the block completes, removed with
+    its contents when it raises. An OSError (ENOSPC, EIO, ...) becomes a one-line GlmVitError."""
+    occupied = destination.exists() and (not destination.is_dir() or any(destination.iterdir()))
+    if destination.is_symlink() or occupied:
+        raise GlmVitError(f"{destination}: exists; refusing to write over it")
     parent = destination.parent
     if not parent.is_dir():
         raise GlmVitError(f"{destination}: directory {parent} does not exist")
