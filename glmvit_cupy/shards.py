@@ -11,7 +11,7 @@ header area sized for the largest numbers a header can hold (safetensors allows 
 spaces in the header), further outputs into side files appended at the end, so memory holds
 no more than one image's rows. Then fsync and rename: first the .safetensors, then its
 .jsonl, which is what makes a shard count as done. A run killed at any moment leaves only
-whole shards and hidden `.tmp-` files; the next run on the directory (holding a lock on it)
+whole shards and hidden `.*.tmp` files; the next run on the directory (holding a lock on it)
 removes those and any .safetensors without its .jsonl, and skips every input already done.
 Each shard's metadata records the settings it was made with, so a resume with other settings
 (model, dtype, outputs, processor) is refused instead of mixing embeddings.
@@ -35,9 +35,9 @@ import numpy as np
 from .errors import GlmVitError
 from .reference import bf16_to_f32
 from .staging import DTYPES
+from .writer import create_temp, fsync_dir, is_temp, write_atomic
 
 SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
-TMP_PREFIX = ".tmp-"
 FORMAT = "glmvit-cupy embeddings 1"
 FAILURES = "failures.jsonl"
 _MAX_INT = 10 ** 20 - 1  # more digits than any int64 a header holds
@@ -51,40 +51,6 @@ def _write_error(directory: Path, exc: OSError) -> GlmVitError:
     """An OSError while writing shards (a full disk, a quota, a lost mount) as one line."""
     return GlmVitError(f"{directory}: writing the embeddings failed: {exc.strerror or exc}; only whole shards are "
                        "kept: free some space (or fix the directory) and run the same command again")
-
-
-def create_private_temp(directory: Path, name: str) -> tuple[int, Path]:
-    """A new hidden temp file in `directory` with the permissions the umask gives (0666 & ~umask):
-    what the final file will have once renamed."""
-    for attempt in range(100):
-        path = directory / f"{TMP_PREFIX}{name}.{os.getpid()}.{attempt}"
-        try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), path
-        except FileExistsError:
-            continue
-    raise GlmVitError(f"{directory}: cannot create a temporary file for {name}")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a hidden temp file beside `path`, fsync, rename; nothing left on failure."""
-    fd, tmp = create_private_temp(path.parent, path.name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _header(tensors: dict[str, tuple[str, list[int], int, int]], metadata: dict[str, str]) -> bytes:
@@ -101,7 +67,7 @@ class _OpenShard:
         self.index, self.outputs, self.reserve = index, tuple(outputs), reserve
         self.files: dict[str, tuple[Any, Path]] = {}
         for i, name in enumerate(self.outputs):
-            fd, path = create_private_temp(directory, f"{shard_name(index)}.{name}" if i else
+            fd, path = create_temp(directory, f"{shard_name(index)}.{name}" if i else
                                            f"{shard_name(index)}.safetensors")
             f = os.fdopen(fd, "wb+")
             if i == 0:
@@ -222,8 +188,8 @@ class ShardWriter:
         os.replace(main_path, final)
         shard.remove()  # closes the files; the side files go, the renamed main is no longer there
         lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in shard.records)
-        write_file_atomic(self.directory / f"{shard_name(shard.index)}.jsonl", lines.encode())
-        _fsync_dir(self.directory)
+        write_atomic(self.directory / f"{shard_name(shard.index)}.jsonl", lambda f: f.write(lines.encode()))
+        fsync_dir(self.directory)
         self.written.append(final)
 
     def discard(self) -> None:
@@ -348,7 +314,7 @@ class OutputDir:
             orphan = (match and not entry.with_suffix(".jsonl").exists()) or (
                 entry.suffix == ".jsonl" and SHARD.match(entry.with_suffix(".safetensors").name)
                 and not entry.with_suffix(".safetensors").exists())
-            if entry.name.startswith(TMP_PREFIX) or orphan:
+            if is_temp(entry.name) or orphan:
                 entry.unlink(missing_ok=True)
                 removed += 1
         return removed
@@ -356,7 +322,8 @@ class OutputDir:
     def write_failures(self, failures: list[dict]) -> None:
         path = self.directory / FAILURES
         if failures:
-            write_file_atomic(path, "".join(json.dumps(f, separators=(",", ":")) + "\n" for f in failures).encode())
+            lines = "".join(json.dumps(f, separators=(",", ":")) + "\n" for f in failures)
+            write_atomic(path, lambda f: f.write(lines.encode()))
         else:
             path.unlink(missing_ok=True)
 

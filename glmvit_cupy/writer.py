@@ -27,7 +27,8 @@ from .errors import GlmVitError
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -93,9 +94,9 @@ def atomic_directory(destination: Path) -> Iterator[Path]:
         raise GlmVitError(f"{destination}: cannot write there: {exc.strerror}") from None
     try:
         yield tmp
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, destination)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise GlmVitError(f"{destination}: writing failed ({exc.strerror or exc}); nothing was left "
@@ -114,21 +115,30 @@ def write_failure(target: Path, exc: OSError) -> GlmVitError:
     return GlmVitError(f"{target}: cannot write: {reason}{hint}")
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """`write` into a fresh temporary file beside `path` (O_EXCL, mode 0666 less the umask),
-    fsync, then rename it over `path`; on failure nothing is left and `path` is as it was."""
-    path = Path(path)
+def create_temp(directory: Path, name: str) -> tuple[int, Path]:
+    """A fresh hidden temporary file for `name` in `directory` (O_EXCL, mode 0666 less the umask),
+    open for reading and writing: `.NAME.HEX.tmp`, which `is_temp` recognises."""
     for _ in range(100):
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        tmp = directory / f".{name}.{secrets.token_hex(4)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            break
+            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
         except FileExistsError:
             continue
         except OSError as exc:
-            raise GlmVitError(f"{path}: cannot write there: {exc.strerror}") from None
-    else:
-        raise GlmVitError(f"{path}: cannot find a free temporary name beside it")
+            raise GlmVitError(f"{directory / name}: cannot write there: {exc.strerror}") from None
+    raise GlmVitError(f"{directory / name}: cannot find a free temporary name beside it")
+
+
+def is_temp(name: str) -> bool:
+    """Whether a file name is one of create_temp's (what an interrupted writer leaves)."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """`write` into a fresh temporary file beside `path` (create_temp), fsync, then rename it
+    over `path`; on failure nothing is left and `path` is as it was."""
+    path = Path(path)
+    fd, tmp = create_temp(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -173,7 +173,7 @@ def test_sigterm_finishes_the_shard_in_flight(tmp_path, tiny):
             "--shard-size", "1000", "--workers", "1", "--quiet", "--max-pixels", str(400 * 196)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not list(out.glob(".tmp-shard-*")) and time.time() < deadline:
+    while not list(out.glob(".shard-*.tmp")) and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
