@@ -94,6 +94,9 @@ def main() -> None:
     Turns images into the embeddings a VLM splices into its language model: on an NVIDIA
     GPU through CuPy + cuBLAS, or on the CPU through the float32 NumPy reference.
     """
+    # A kill (SIGTERM) unwinds as Ctrl-C does: writers remove their temporaries, a collection
+    # run finishes the shard in flight.
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @main.command(epilog="""\b
@@ -228,7 +231,6 @@ def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_si
     from glmvit_cupy.progress import Progress
 
     progress = Progress(quiet)
-    signal.signal(signal.SIGTERM, _interrupt)  # a kill finishes the shard in flight, as Ctrl-C does
     try:
         summary = encode_collection(vit, sources, out_dir, shard_size=shard_size, output=which, dtype=dtype,
                                     processor=processor, fail_fast=fail_fast, progress=progress, decoder=decoder)
@@ -352,8 +354,9 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
               help="Square image side in pixels; repeat for several cases.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Images of each size per forward call.")
-@click.option("--attention", type=click.Choice(["flash", "naive"]), default="flash", show_default=True,
-              help="flash: the fused kernel; naive: materialised scores (the cross-check).")
+@click.option("--attention", type=click.Choice(["flash", "naive"]), default=None,
+              help="flash: the fused kernel; naive: materialised scores (the cross-check). "
+                   "[default: the engine's choice, flash where the head_dim has a flash kernel]")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per case.")
 @user_errors
 def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
@@ -388,7 +391,7 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, it
     peak = cublas_peak()
     click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak.burst:.0f} TFLOP/s in a burst, {peak.sustained:.0f} "
                f"sustained; scratch {vit.scratch_bytes / 2**20:.0f} MiB for p_max {vit.p_max}; "
-               f"attention {attention}")
+               f"attention {vit.tower.attention_kind}")
     for size, (pixels, grid) in cases:
         t = time_engine(vit, cupy.asarray(pixels), grid, iters=iters)
         stages = ", ".join(f"{k} {v:.2f}" for k, v in t.stages_ms.items())

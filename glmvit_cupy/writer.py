@@ -87,7 +87,8 @@ def atomic_directory(destination: Path) -> Iterator[Path]:
     parent = destination.parent
     if not parent.is_dir():
         raise GlmVitError(f"{destination}: directory {parent} does not exist")
-    tmp = parent / f".{destination.name}.{secrets.token_hex(4)}.tmp"
+    remove_stale_temps(parent, destination.name)
+    tmp = _temp_path(parent, destination.name)
     try:
         os.mkdir(tmp)  # mode 0o777 less the umask: a checkpoint others may read
     except OSError as exc:
@@ -115,11 +116,45 @@ def write_failure(target: Path, exc: OSError) -> GlmVitError:
     return GlmVitError(f"{target}: cannot write: {reason}{hint}")
 
 
+def _temp_path(directory: Path, name: str) -> Path:
+    """`.NAME.PID-HEX.tmp`: hidden, and naming the process that writes it (remove_stale_temps)."""
+    return directory / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def remove_stale_temps(directory: Path, name: str) -> None:
+    """Remove the temporaries of `name` whose writer process is gone (SIGKILL, a crash, a power
+    cut: nothing ran to remove them); a live writer's are left alone."""
+    prefix = f".{name}."
+    try:
+        entries = [e for e in directory.iterdir() if e.name.startswith(prefix) and is_temp(e.name)]
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(prefix):-len(".tmp")].split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def create_temp(directory: Path, name: str) -> tuple[int, Path]:
     """A fresh hidden temporary file for `name` in `directory` (O_EXCL, mode 0666 less the umask),
-    open for reading and writing: `.NAME.HEX.tmp`, which `is_temp` recognises."""
+    open for reading and writing, which `is_temp` recognises; stale ones of `name` go first."""
+    remove_stale_temps(directory, name)
     for _ in range(100):
-        tmp = directory / f".{name}.{secrets.token_hex(4)}.tmp"
+        tmp = _temp_path(directory, name)
         try:
             return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
         except FileExistsError:

@@ -141,3 +141,38 @@ def test_outputs_get_the_umasks_permissions(tmp_path, tiny_ckpt, png, umask):
     assert mode(ckpt) == 0o777 & ~umask
     assert {mode(p) for p in ckpt.iterdir()} == {0o666 & ~umask}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "emb.npy"]
+
+
+def test_killed_writers_leave_nothing_a_rerun_does_not_remove(tmp_path):
+    """SIGTERM unwinds (the writer removes its temporary directory); what a SIGKILL leaves (a
+    dead process's temporary) is removed by the next write of the same output."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cli = [sys.executable, "-c", "import cli; cli.main()"]
+    proc = subprocess.Popen([*cli, "make-checkpoint", str(tmp_path / "ckpt"), "--geometry", "real"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".ckpt.*.tmp")) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".ckpt.{int(gone.stdout)}-0badf00d.tmp"  # a SIGKILLed writer's, its process gone
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / f".ckpt.{sleeper.pid}-0badf00d.tmp"  # a writer still at work: not ours to remove
+        live.mkdir()
+        made = subprocess.run([*cli, "make-checkpoint", str(tmp_path / "ckpt"), "--geometry", "tiny"],
+                              capture_output=True, text=True)
+        assert made.returncode == 0, made.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ckpt"])
+    finally:
+        sleeper.kill()
