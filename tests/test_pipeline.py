@@ -99,6 +99,8 @@ def test_every_input_kind(tmp_path, tiny):
     assert [r["path"] for r in got] == [str(a[0]), str(a[1]), str(b[0]), str(tar_path), str(tar_path), str(b[1])]
     assert got[3]["member"] == "sample1/x.jpg" and got[3]["key"] == "sample1/x"
     assert "encoded 6, skipped 0, failed 0" in proc.stderr
+    # stderr is a pipe here: plain progress lines, no bar (tests/ cannot fake a terminal cheaply)
+    assert "glmvit-cupy: 6/6 images (100%)" in proc.stderr and "\r" not in proc.stderr
 
 
 def test_shards_read_with_safetensors_and_numpy_alone(tmp_path, tiny, vit):
