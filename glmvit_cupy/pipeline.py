@@ -92,7 +92,7 @@ class Decoder:
             raise GlmVitError(f"workers {workers}: expected 0 (decode in this process) or more")
         workers = workers if _main_reimportable() else 0
         self.processor, self.workers = processor, workers
-        self.window = 4 * workers + 8
+        self.window = 4 * workers + 8  # a few images a worker queued: none waits for the main thread
         self.pool: ProcessPoolExecutor | None = None
         if workers:
             context = multiprocessing.get_context("forkserver")

@@ -246,15 +246,15 @@ class BackgroundWriter:
         self.writer.discard()
 
 
-def read_header(path: Path) -> dict:
-    """A shard's safetensors header (tensor entries and __metadata__)."""
+def read_header(path: Path) -> tuple[dict, int]:
+    """A shard's safetensors header (tensor entries and __metadata__) and where its data starts."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise GlmVitError(f"{path}: truncated shard")
         (n,) = struct.unpack("<Q", head)
         try:
-            return json.loads(f.read(min(n, 100 << 20)))
+            return json.loads(f.read(min(n, 100 << 20))), 8 + n
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise GlmVitError(f"{path}: corrupt shard header: {exc}") from None
 
@@ -291,11 +291,19 @@ class OutputDir:
         except BlockingIOError:
             os.close(self._lock)
             raise GlmVitError(f"{directory}: another run is writing to this directory") from None
+        try:
+            self._scan(metadata)
+        except BaseException:
+            self.close()
+            raise
+
+    def _scan(self, metadata: dict[str, str]) -> None:
+        """Clean up after an interrupted run, then learn what is done (refusing other settings)."""
         self.removed = self._clean()
         self.done: dict[str, dict] = {}
         self.next_index = 0
-        for index, shard, jsonl in complete_shards(directory):
-            theirs = read_header(shard).get("__metadata__", {})
+        for index, shard, jsonl in complete_shards(self.directory):
+            theirs = read_header(shard)[0].get("__metadata__", {})
             for field in ("format", "tower", "outputs", "dtype", "processor"):
                 if theirs.get(field) != metadata.get(field):
                     raise GlmVitError(
@@ -344,8 +352,7 @@ def read_embeddings(directory: str | Path) -> Iterator[tuple[dict, dict[str, np.
     if not directory.is_dir():
         raise GlmVitError(f"{directory}: not a directory")
     for _, shard, jsonl in complete_shards(directory):
-        header = read_header(shard)
-        data_start = 8 + struct.unpack("<Q", shard.open("rb").read(8))[0]
+        header, data_start = read_header(shard)
         raw = np.memmap(shard, dtype=np.uint8, mode="r")
         names = [n for n in header if n not in ("__metadata__", "grid_thw", "offsets")]
         views = {}

@@ -98,7 +98,7 @@ class NumpyStager:
 
 
 class CupyStager:
-    """Pinned slots, a copy stream and the device buffers around one CupyTower."""
+    """Pinned slots, the upload and download streams and the device buffers around one CupyTower."""
 
     def __init__(self, tower, outputs: Sequence[str], dtype: str, processor: ProcessorConfig) -> None:
         import cupy
