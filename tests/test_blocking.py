@@ -6,7 +6,6 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
-import pytest
 
 from glmvit_cupy import GlmVit, preprocess
 from glmvit_cupy import reference

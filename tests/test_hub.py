@@ -16,7 +16,7 @@ import pytest
 
 from glmvit_cupy import GlmVit, GlmVitError
 from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.hub import cache_root, resolve_model
+from glmvit_cupy.hub import resolve_model
 from glmvit_cupy.preprocess import PREPROCESSOR_FILE
 from glmvit_cupy.synthetic import write_checkpoint
 
