@@ -126,8 +126,9 @@ encodes only what is missing.""")
               help="Dtype of the shards' embeddings (--out-dir). [default: bfloat16, what the LM consumes]")
 @click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True,
               help="Images per shard (--out-dir).")
-@click.option("--workers", type=click.IntRange(min=0), default=DEFAULT_WORKERS, show_default=True,
-              help="Decode processes (0: decode in the main process). [default: all cores but one]")
+@click.option("--workers", type=click.IntRange(min=0), default=DEFAULT_WORKERS,
+              help=f"Decode processes (0: decode in the main process). [default: all cores but one, "
+                   f"{DEFAULT_WORKERS} here]")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first input that fails (default: record it, go on).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress; only errors and the final summary line.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
