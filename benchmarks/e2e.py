@@ -239,14 +239,17 @@ def forward_only(vit: GlmVit, files: list[str], config: ProcessorConfig, workers
             pixels = cupy.asarray(pixels)
         batches.append((pixels, grid))
     sync = cupy.cuda.Device().synchronize if gpu else (lambda: None)
-    passes = []
-    for _ in range(FORWARD_PASSES):
+
+    def timed_pass(todo: list) -> float:
+        """Seconds of vit.forward over `todo` back to back, between two device synchronisations."""
         sync()
         t0 = time.perf_counter()
-        for pixels, grid in batches:
+        for pixels, grid in todo:
             vit.forward(pixels, grid)
         sync()
-        passes.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    passes = [timed_pass(batches) for _ in range(FORWARD_PASSES)]
     # CUDA graphs with mixed sizes: the engine captures a grid the second time it meets it. The
     # first GRAPH_BATCHES batches three times over: eager (fresh grids), captured, replayed.
     graph = None
@@ -254,14 +257,7 @@ def forward_only(vit: GlmVit, files: list[str], config: ProcessorConfig, workers
         few = batches[:GRAPH_BATCHES]
         vit.tower.graphs.clear()
         vit.tower.tables.clear()
-        times = []
-        for _ in range(3):
-            sync()
-            t0 = time.perf_counter()
-            for pixels, grid in few:
-                vit.forward(pixels, grid)
-            sync()
-            times.append(time.perf_counter() - t0)
+        times = [timed_pass(few) for _ in range(3)]
         graph = dict(batches=len(few), eager_s=round(times[0], 4), capture_s=round(times[1], 4),
                      replay_s=round(times[2], 4), replay_over_eager=round(times[2] / times[0], 3))
     grids = np.concatenate([g for _, g in batches])
