@@ -163,14 +163,12 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         raise GlmVitError("give exactly one of --out FILE (a few images) and --out-dir DIR (a collection)")
     if not inputs and files_from is None:
         raise GlmVitError("no inputs: name image files, directories, patterns or .tar shards, or --files-from")
-    if out_path is not None:
-        _check_single_output(out_path, which, dtype)
     sources = expand_inputs(inputs, files_from)
     if not sources:
         raise GlmVitError("the inputs name no image (directories are searched for "
                           f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
-    if out_path is not None and out_path.suffix.lower() == ".npy" and len(sources) > 1:
-        raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
+    if out_path is not None:
+        _check_single_output(out_path, which, dtype, len(sources))
 
     directory = resolve_model(model_dir)
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
@@ -191,11 +189,11 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         decoder.close()
 
 
-def _check_single_output(out_path: Path, which: str, dtype: str | None) -> None:
+def _check_single_output(out_path: Path, which: str, dtype: str | None, images: int) -> None:
     suffix = out_path.suffix.lower()
     if suffix not in (".npy", ".npz"):
         raise GlmVitError(f"{out_path}: output must end in .npy or .npz")
-    if suffix == ".npy" and which == "both":
+    if suffix == ".npy" and (which == "both" or images > 1):
         raise GlmVitError(f"{out_path}: .npy holds one array; several images or --output both need .npz")
     if dtype is not None:
         raise GlmVitError("--dtype applies to --out-dir shards; .npy and .npz hold float32")
