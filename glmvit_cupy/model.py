@@ -32,6 +32,7 @@ from .geometry import GlmVitGeometry, patch_budget
 from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
 from .pipeline import DEFAULT_WORKERS, Decoder, stream
+from .staging import OUTPUT_NAMES, make_stager
 from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, processor_config,
                          with_settings)
 
@@ -134,6 +135,7 @@ class GlmVit:
         check_processor(processor, self.geometry)
         self.processor = processor
         self._pool: Decoder | None = None
+        self._stager: tuple[ProcessorConfig, Any] | None = None  # encode_iter's, kept across calls
         self._turns = threading.Lock() if backend == "cupy" else contextlib.nullcontext()  # forward
         # One encode stream at a time: streams share the decode pool (rebuilt for other settings)
         # and, on the GPU, the engine's buffers, which forward uses too (the same lock there).
@@ -252,7 +254,8 @@ class GlmVit:
                 processor = self._processor(min_image_tokens, max_image_tokens)
                 n = DEFAULT_WORKERS if workers is None else workers
                 decoder = self._decoder(n, processor)
-                for result in stream(self, images, dtype="float32", processor=processor, decoder=decoder):
+                for result in stream(self, images, dtype="float32", processor=processor, decoder=decoder,
+                                     stager=self._staging(processor)):
                     if result.error is not None:
                         raise GlmVitError(result.error)
                     one = np.array([0, len(result.arrays["pooler_output"])])
@@ -286,6 +289,13 @@ class GlmVit:
             self.close()
             self._pool = Decoder(workers, processor)
         return self._pool
+
+    def _staging(self, processor: ProcessorConfig) -> Any:
+        """encode_iter's stager, kept across calls like the pool: on the GPU it holds ~200 MB of
+        pinned host memory and the device output buffers, too costly to allocate per request."""
+        if self._stager is None or self._stager[0] != processor:
+            self._stager = (processor, make_stager(self, OUTPUT_NAMES, "float32", processor))
+        return self._stager[1]
 
     def close(self) -> None:
         """Stop the decode workers (they also stop when the process exits)."""

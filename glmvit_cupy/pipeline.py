@@ -173,15 +173,18 @@ class StreamStats:
 
 def stream(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
            workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
-           stats: StreamStats | None = None, decoder: Decoder | None = None) -> Iterator[Encoded]:
+           stats: StreamStats | None = None, decoder: Decoder | None = None,
+           stager: Any = None) -> Iterator[Encoded]:
     """Encode `items` (sources, paths, PIL images or arrays) through `vit`, yielding one Encoded
-    per item in input order. An output with a non-finite value is a failure of that image."""
+    per item in input order. An output with a non-finite value is a failure of that image.
+    `decoder` and `stager` (staging.make_stager for these outputs, dtype and processor) may be
+    kept by the caller across streams; by default each stream makes its own."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     if dtype not in DTYPES:
         raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     stats = stats if stats is not None else StreamStats()
-    stager = make_stager(vit, outputs, dtype, processor)
+    stager = stager or make_stager(vit, outputs, dtype, processor)
     own = decoder is None
     decoder = decoder or Decoder(workers, processor)
     order: deque[list] = deque()  # [item, Encoded or None] per input, in input order
