@@ -74,7 +74,6 @@ class _OpenShard:
                 f.seek(8 + reserve)
             self.files[name] = (f, path)
         self.records: list[dict] = []
-        self.grids: list[list[int]] = []
         self.rows = 0
 
     def remove(self) -> None:
@@ -95,7 +94,6 @@ class ShardWriter:
         worst.update(grid_thw=("I64", [_MAX_INT, 3], _MAX_INT, _MAX_INT), offsets=("I64", [_MAX_INT], _MAX_INT, _MAX_INT))
         self.reserve = -(-len(_header(worst, metadata)) // 8) * 8
         self.shard: _OpenShard | None = None
-        self.written: list[Path] = []
         # Sealing (fsync, renames) runs on a thread of its own, in shard order: an fsync of a shard
         # of photos takes up to a second, during which the next shard keeps filling.
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-cupy seal")
@@ -127,7 +125,6 @@ class ShardWriter:
                 os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
         shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
                               "rows": [shard.rows, shard.rows + rows]})
-        shard.grids.append([int(v) for v in grid_thw])
         shard.rows += rows
         if len(shard.records) >= self.shard_size:
             self.finish()
@@ -173,7 +170,7 @@ class ShardWriter:
             side.seek(0)
             while chunk := side.read(64 << 20):
                 main.write(chunk)
-        grid = np.array(shard.grids, dtype=np.int64).reshape(n, 3)
+        grid = np.array([r["grid_thw"] for r in shard.records], dtype=np.int64).reshape(n, 3)
         offsets = np.array([0] + [r["rows"][1] for r in shard.records], dtype=np.int64)
         for name, array in (("grid_thw", grid), ("offsets", offsets)):
             tensors[name] = ("I64", list(array.shape), cursor, cursor + array.nbytes)
@@ -190,7 +187,6 @@ class ShardWriter:
         lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in shard.records)
         write_atomic(self.directory / f"{shard_name(shard.index)}.jsonl", lambda f: f.write(lines.encode()))
         fsync_dir(self.directory)
-        self.written.append(final)
 
     def discard(self) -> None:
         """Drop the shard in flight (its temp files); shards already handed over are sealed."""
@@ -299,7 +295,7 @@ class OutputDir:
 
     def _scan(self, metadata: dict[str, str]) -> None:
         """Clean up after an interrupted run, then learn what is done (refusing other settings)."""
-        self.removed = self._clean()
+        self._clean()
         self.done: dict[str, dict] = {}
         self.next_index = 0
         for index, shard, jsonl in complete_shards(self.directory):
@@ -313,10 +309,9 @@ class OutputDir:
                 self.done[record_key(record)] = record
             self.next_index = index + 1
 
-    def _clean(self) -> int:
+    def _clean(self) -> None:
         """Remove what an interrupted run left: temp files, shards without their metadata, and
         metadata without its shard."""
-        removed = 0
         for entry in self.directory.iterdir():
             match = SHARD.match(entry.name)
             orphan = (match and not entry.with_suffix(".jsonl").exists()) or (
@@ -324,8 +319,6 @@ class OutputDir:
                 and not entry.with_suffix(".safetensors").exists())
             if is_temp(entry.name) or orphan:
                 entry.unlink(missing_ok=True)
-                removed += 1
-        return removed
 
     def write_failures(self, failures: list[dict]) -> None:
         path = self.directory / FAILURES
