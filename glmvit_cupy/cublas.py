@@ -23,6 +23,7 @@ import ctypes
 import cupy
 
 from .errors import GlmVitError
+from .faults import check_stream
 
 _OP_N, _OP_T = 0, 1
 _R_32F, _R_16BF = 0, 14  # cudaDataType
@@ -44,7 +45,7 @@ def _libcublas() -> ctypes.CDLL:
 class Cublas:
     """A cuBLAS handle on one stream; graph-capturable GEMMs once `set_workspace` is called."""
 
-    def __init__(self, stream: cupy.cuda.Stream) -> None:
+    def __init__(self, stream: cupy.cuda.Stream, check_launches: bool = False) -> None:
         lib = _libcublas()
         self._gemm = lib.cublasGemmEx
         self._gemm.restype = ctypes.c_int
@@ -56,6 +57,7 @@ class Cublas:
         self._check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
         self._check(lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._stream, self._check_launches = stream, check_launches
         self._set_workspace = lib.cublasSetWorkspace_v2
         self._destroy = lib.cublasDestroy_v2
 
@@ -80,6 +82,8 @@ class Cublas:
                                a.data.ptr, _R_16BF, lda, b.data.ptr, _R_16BF, ldb,
                                ctypes.byref(self._one if accumulate else self._zero),
                                c.data.ptr, c_type, ldc, _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
+        if self._check_launches:
+            check_stream(f"cublasGemmEx (m {m}, n {n}, k {k})", self._stream)
 
     def linear(self, out: cupy.ndarray, x: cupy.ndarray, w: cupy.ndarray, accumulate: bool = False) -> None:
         """out[rows, n] (+)= x[rows, k] . w[n, k]^T. Rows of each operand may be strided (views)."""

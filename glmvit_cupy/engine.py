@@ -32,6 +32,7 @@ import numpy as np
 from .checkpoint import GlmVitTensors, TowerWeights, structure
 from .cublas import Cublas
 from .errors import GlmVitError
+from .faults import check_launches, check_stream, synchronize
 from .kernels import FLASH_HEAD_DIMS, GATE_UP_TILE, QKNORM_HEAD_DIMS, Kernels
 from .layout import FlashWork, block_major_positions, flash_work_list, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS, bf16_to_f32
@@ -86,10 +87,11 @@ class CupyRuntime:
 
     def __init__(self, device: int | None = None) -> None:
         self.device = cupy.cuda.Device(device)  # None: the caller's current device
+        self.check_launches = check = check_launches()
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.kernels = Kernels()
-            self.blas = Cublas(self.stream)
+            self.kernels = Kernels(check)
+            self.blas = Cublas(self.stream, check)
 
 
 class CupyTower:
@@ -127,6 +129,7 @@ class CupyTower:
         self.attention_kind = attention
         self.plan = scratch_plan(geo, p_max)
         self.stream, self.k, self.blas = runtime.stream, runtime.kernels, runtime.blas
+        self.check_launches = runtime.check_launches
         with self.stream:
             self.arena = cupy.asarray(weights.arena)  # the whole tower, one host-to-device copy
             self.inv_freq = cupy.asarray(rope_inv_freq(geo))
@@ -184,7 +187,7 @@ class CupyTower:
         caller = cupy.cuda.get_current_stream()
         with self.stream:
             self.stream.wait_event(caller.record())
-            pixels = cupy.ascontiguousarray(cupy.asarray(pixel_values, dtype=cupy.float32))
+            pixels = self._pixels(pixel_values)
             # Outside any graph: the input array changes between calls, the tables between grids.
             self.k.f32_to_bf16(pixels, s.pixels[:p])
             if self.uploaded != tables.key:
@@ -195,8 +198,17 @@ class CupyTower:
                 self.uploaded = tables.key
             self.run(p, tables, marks)
             last_hidden, pooler = s.last_hidden[:m].copy(), s.pooler[:m].copy()
-        self.stream.synchronize()
+        synchronize(self.stream, "the forward")
         return last_hidden, pooler
+
+    def _pixels(self, pixel_values) -> cupy.ndarray:
+        """The caller's pixel_values as f32_to_bf16 reads them: float32, C-contiguous, on this
+        device, 16-byte aligned (float4 loads). A view at an odd offset or an array on another
+        GPU passes every shape check, and would fault the kernel: those are copied."""
+        if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
+            return cupy.array(pixel_values, dtype=cupy.float32, order="C")  # a peer copy, onto this device
+        pixels = cupy.ascontiguousarray(cupy.asarray(pixel_values, dtype=cupy.float32))
+        return pixels if pixels.data.ptr % 16 == 0 else pixels.copy()  # CuPy allocations are 256-byte aligned
 
     def check_budget(self, grid_thw: np.ndarray) -> int:
         """The patch count of a grid, refused past this engine's p_max."""
@@ -236,6 +248,8 @@ class CupyTower:
         elif key in self.graphs:
             self.graphs.move_to_end(key)
             self.graphs[key].launch(self.stream)
+            if self.check_launches:
+                check_stream("a replayed CUDA graph of the forward", self.stream)
         elif tables.seen:
             self.stream.begin_capture()
             self._body(p, tables.segments, tables.work, None)
@@ -243,6 +257,8 @@ class CupyTower:
             if len(self.graphs) > MAX_GRAPHS:
                 self.graphs.popitem(last=False)
             graph.launch(self.stream)
+            if self.check_launches:
+                check_stream("a just-captured CUDA graph of the forward", self.stream)
         else:
             self._body(p, tables.segments, tables.work, None)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import cupy
 import numpy as np
 
+from .faults import Checked
 from .layout import FLASH_BN
 
 FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
@@ -111,7 +112,7 @@ def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
 class Kernels:
     """Every kernel the engine launches, compiled at construction."""
 
-    def __init__(self) -> None:
+    def __init__(self, check_launches: bool = False) -> None:
         # Hopper runs the wgmma flash kernel and the fused gate|up GEMM; every other GPU the
         # mma.sync flash kernel and cuBLAS + swiglu_clamp.
         device = cupy.cuda.Device()
@@ -124,6 +125,8 @@ class Kernels:
         if self.hopper:
             names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
+        if check_launches:  # faults.py: each launch waits for itself and names itself if it faults
+            self._f = {name: Checked(f, f"kernel {name}") for name, f in self._f.items()}
         self.flash_bms = FLASH_BM[flash]
         self._maps = TensorMaps() if self.hopper else None
         self._sms = device.attributes["MultiProcessorCount"]

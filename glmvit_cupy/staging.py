@@ -140,6 +140,7 @@ class CupyStager:
             return self._submit(cupy, tower, canvases, grid_thw)
 
     def _submit(self, cupy, tower, canvases, grid_thw: np.ndarray) -> Pending:
+        from .faults import synchronize
         p = tower.check_budget(grid_thw)
         s = tower._scratch()
         tables = tower.grid_tables(grid_thw)
@@ -149,7 +150,7 @@ class CupyStager:
         if self.slot_pending[slot] is not None:  # its output slot is about to be overwritten
             self.slot_pending[slot].result()
         if self.uploaded_events[slot] is not None:
-            self.uploaded_events[slot].synchronize()
+            synchronize(self.uploaded_events[slot], "an upload of the pipeline's input slot")
 
         # Host: pack the slot (canvases back to back, then the tables).
         buf = self.pinned_in[slot]
@@ -218,7 +219,7 @@ class CupyStager:
         width = tower.geo.out_hidden_size
 
         def collect():
-            downloaded.synchronize()
+            synchronize(downloaded, "a forward of the pipeline (or the download of its outputs)")
             arrays = {name: out[name][:m * width].reshape(m, width).copy() for name in self.outputs}
             return arrays, flags[:m].copy(), cupy.cuda.get_elapsed_time(start, computed)
 
