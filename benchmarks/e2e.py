@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the code beside this script, and the oracle helper
 
 from photos import build_collection  # noqa: E402
+from proctree import tree_memory  # noqa: E402
 
 from glmvit_cupy import GlmVit  # noqa: E402
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
@@ -101,44 +102,19 @@ SUMMARY = re.compile(r"encoded (\d+), skipped (\d+), failed (\d+) in ([\d.]+)s: 
 
 
 class TreeRss(threading.Thread):
-    """Peaks of a process's descendants, sampled from /proc: the highest VmHWM of any of them
-    and the highest RSS summed over the process and all of them."""
+    """Peaks of a process's descendants, sampled from /proc every SAMPLE_S: the highest VmHWM of
+    any of them and the highest RSS summed over the process and all of them."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.largest_kib, self.total_kib, self.most_processes = pid, 0, 0, 0
         self.done = threading.Event()
 
-    def _tree(self) -> list[int]:
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:  # the process ended while we looked
-                    continue
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        tree, todo = [], [self.pid]
-        while todo:
-            pid = todo.pop()
-            tree.append(pid)
-            todo.extend(children.get(pid, []))
-        return tree
-
     def run(self) -> None:
         while not self.done.is_set():
-            total, alive = 0, 0
-            for pid in self._tree():
-                try:
-                    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-                    rss, hwm = (int(status[k].split()[0]) for k in ("VmRSS", "VmHWM"))
-                except (OSError, KeyError, ValueError):  # ended, or a zombie without memory lines
-                    continue
-                total += rss
-                alive += 1
-                if pid != self.pid:
-                    self.largest_kib = max(self.largest_kib, hwm)
+            total, largest, alive = tree_memory(self.pid)
             self.total_kib = max(self.total_kib, total)
+            self.largest_kib = max(self.largest_kib, largest)
             self.most_processes = max(self.most_processes, alive)
             self.done.wait(SAMPLE_S)
 

@@ -2,7 +2,7 @@
 
     DIR/shard-00000.safetensors   pooler_output (and/or last_hidden_state) [tokens, out_hidden]
                                   for every image of the shard, grid_thw [n, 3], offsets [n + 1]
-    DIR/shard-00000.jsonl         one line an image, in row order: source, bytes, sha256,
+    DIR/shard-00000.jsonl         one line an image, in row order: path (its input key), bytes, sha256,
                                   grid_thw, tokens, rows
     DIR/failures.jsonl            the inputs of the last run that did not encode, and why
 

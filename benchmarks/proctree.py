@@ -1,0 +1,45 @@
+"""Memory of a process and its descendants, read from /proc (the benchmarks' samplers share it).
+
+A pipeline's decode workers are children of a forkserver, which the CLI never waits for, so
+getrusage(RUSAGE_CHILDREN) misses them: the tree is walked through each process's parent pid.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and every descendant of it alive now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # the process ended while we looked
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def tree_memory(pid: int, own: bool = False) -> tuple[int, int, int]:
+    """(RSS summed over the tree, the highest VmHWM of a descendant, processes counted), KiB; with
+    own=True the process alone. The sum counts shared pages once per process, so it overstates."""
+    total, largest, alive = 0, 0, 0
+    for member in [pid] if own else process_tree(pid):
+        try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{member}/status").read_text().splitlines())
+            rss, hwm = (int(status[k].split()[0]) for k in ("VmRSS", "VmHWM"))
+        except (OSError, KeyError, ValueError):  # ended, or a zombie without memory lines
+            continue
+        total += rss
+        alive += 1
+        if member != pid:
+            largest = max(largest, hwm)
+    return total, largest, alive
