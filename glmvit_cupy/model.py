@@ -31,7 +31,7 @@ from .errors import GlmVitError
 from .geometry import GlmVitGeometry, patch_budget
 from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
-from .pipeline import DEFAULT_WORKERS, Decoder, stream
+from .pipeline import DEFAULT_WORKERS, Decoder, stream_in_turn
 from .staging import OUTPUT_NAMES, make_stager
 from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, processor_config,
                          with_settings)
@@ -245,22 +245,30 @@ class GlmVit:
         Outputs are float32 NumPy arrays on every backend. A failing image raises GlmVitError
         naming it, after every image before it was yielded. Threads sharing this GlmVit take turns
         (a loop not run to its end holds the turn until it is closed or dropped)."""
+        with self.stream_turn():
+            processor = self._processor(min_image_tokens, max_image_tokens)
+            n = DEFAULT_WORKERS if workers is None else workers
+            decoder = self._decoder(n, processor)
+            for result in stream_in_turn(self, images, dtype="float32", processor=processor, decoder=decoder,
+                                         stager=self._staging(processor)):
+                if result.error is not None:
+                    raise GlmVitError(result.error)
+                one = np.array([0, len(result.arrays["pooler_output"])])
+                yield result.item, GlmVitOutput(result.arrays["last_hidden_state"],
+                                                result.arrays["pooler_output"], result.grid_thw[None], one)
+
+    @contextlib.contextmanager
+    def stream_turn(self, what: str = "encode") -> Iterator[None]:
+        """This GlmVit's encode-stream turn, held while a stream runs (pipeline.stream and
+        encode_iter take it): one stream at a time, since streams share the decode pool and, on
+        the GPU, the engine's buffers. A stream inside a stream of the same thread is refused."""
         if self._streaming == threading.get_ident():
-            raise GlmVitError("encode called inside an encode_iter loop of the same GlmVit: finish or close "
+            raise GlmVitError(f"{what} called inside an encode_iter loop of the same GlmVit: finish or close "
                               "that loop first")
         with self._streams:
             self._streaming = threading.get_ident()
             try:
-                processor = self._processor(min_image_tokens, max_image_tokens)
-                n = DEFAULT_WORKERS if workers is None else workers
-                decoder = self._decoder(n, processor)
-                for result in stream(self, images, dtype="float32", processor=processor, decoder=decoder,
-                                     stager=self._staging(processor)):
-                    if result.error is not None:
-                        raise GlmVitError(result.error)
-                    one = np.array([0, len(result.arrays["pooler_output"])])
-                    yield result.item, GlmVitOutput(result.arrays["last_hidden_state"],
-                                                    result.arrays["pooler_output"], result.grid_thw[None], one)
+                yield
             finally:
                 self._streaming = None
 
@@ -286,7 +294,7 @@ class GlmVit:
         """The decode pool, kept across calls (a service encoding a request at a time pays for
         starting the processes once)."""
         if self._pool is None or (self._pool.workers, self._pool.processor) != (workers, processor):
-            self.close()
+            self._close_pool()
             self._pool = Decoder(workers, processor)
         return self._pool
 
@@ -298,7 +306,12 @@ class GlmVit:
         return self._stager[1]
 
     def close(self) -> None:
-        """Stop the decode workers (they also stop when the process exits)."""
+        """Stop the decode workers (they also stop when the process exits), once an encode stream
+        another thread runs is done."""
+        with self.stream_turn("close"):
+            self._close_pool()
+
+    def _close_pool(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -171,14 +171,21 @@ class StreamStats:
     gpu_ms: float = 0.0
 
 
-def stream(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
-           workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
-           stats: StreamStats | None = None, decoder: Decoder | None = None,
-           stager: Any = None) -> Iterator[Encoded]:
+def stream(vit, items: Iterable[Any], **options: Any) -> Iterator[Encoded]:
     """Encode `items` (sources, paths, PIL images or arrays) through `vit`, yielding one Encoded
-    per item in input order. An output with a non-finite value is a failure of that image.
-    `decoder` and `stager` (staging.make_stager for these outputs, dtype and processor) may be
-    kept by the caller across streams; by default each stream makes its own."""
+    per item in input order, holding vit's stream turn (threads sharing vit take turns). An
+    output with a non-finite value is a failure of that image. Options: stream_in_turn's."""
+    with vit.stream_turn():
+        yield from stream_in_turn(vit, items, **options)
+
+
+def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
+                   workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
+                   stats: StreamStats | None = None, decoder: Decoder | None = None,
+                   stager: Any = None) -> Iterator[Encoded]:
+    """stream, for a caller that holds vit.stream_turn(). `decoder` and `stager`
+    (staging.make_stager for these outputs, dtype and processor) may be kept by the caller
+    across streams; by default each stream makes its own."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     if dtype not in DTYPES:

@@ -4,6 +4,8 @@ not finite, and one GlmVit shared by threads. Each refusal is one GlmVitError li
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
 from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
+from glmvit_cupy.pipeline import stream
 from glmvit_cupy.preprocess import load_rgb
 from glmvit_cupy.synthetic import write_checkpoint
 from helpers import bomb_png, photo_like
@@ -168,6 +171,37 @@ def test_encode_inside_an_encode_iter_loop_is_refused(vit):
     with pytest.raises(GlmVitError, match=r"encode called inside an encode_iter loop of the same GlmVit"):
         vit.encode(images[0], workers=0)
     assert len(list(loop)) == 1 and len(vit.encode(images, workers=0)) == 2  # the turn is free again
+
+
+def test_a_stream_and_close_from_other_threads_wait_for_the_stream_in_flight(vit):
+    """pipeline.stream (the CLI's entry) takes the same turn as encode_iter, and close waits for
+    it: without the turn, the second stream interleaves batches on the engine's buffers (GPU) and
+    shares the decode pool; without close waiting, the pool is shut down under the stream
+    ("cannot schedule new futures after shutdown")."""
+    images = [photo_like(28 * (1 + i % 3), 28 * (1 + i % 2), i) for i in range(6)]
+    want = [o.pooler_output for o in vit.encode(images, workers=1)]
+    loop = vit.encode_iter(images, workers=1)
+    first = next(loop)[1].pooler_output
+    got: dict[str, list] = {}
+    others = [threading.Thread(target=lambda: got.setdefault("stream", [
+                  r.arrays["pooler_output"] for r in stream(vit, images, workers=1)]), daemon=True),
+              threading.Thread(target=lambda: got.setdefault("close", [vit.close()]), daemon=True)]
+    for t in others:
+        t.start()
+    time.sleep(0.5)
+    try:
+        assert not got, f"{', '.join(got)} ran in another thread while this stream held the turn"
+    finally:
+        rest = [o.pooler_output for _, o in loop]  # finishing the loop frees the turn
+    for t in others:
+        t.join(timeout=120)
+    assert all(np.array_equal(a, b) for a, b in zip([first] + rest, want))
+    assert all(np.array_equal(a, b) for a, b in zip(got["stream"], want)) and "close" in got
+    loop = vit.encode_iter(images, workers=0)
+    next(loop)
+    with pytest.raises(GlmVitError, match=r"close called inside an encode_iter loop"):
+        vit.close()
+    loop.close()
 
 
 def test_threads_sharing_one_glmvit_get_their_own_results(vit):
