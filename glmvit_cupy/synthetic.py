@@ -19,10 +19,11 @@ from typing import Iterator
 
 import numpy as np
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, tower_shapes
+from .bf16 import f32_to_bf16_bits
+from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .errors import GlmVitError
 from .geometry import REAL, GlmVitGeometry, vision_config
-from .reference import f32_to_bf16_bits
+from .weights import tower_shapes
 from .writer import ITEMSIZE, atomic_directory, write_safetensors
 
 GEOMETRIES = {

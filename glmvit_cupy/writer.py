@@ -22,7 +22,7 @@ import struct
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator
 
-from .errors import GlmVitError
+from .errors import GlmVitError, InternalError
 
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
@@ -70,7 +70,9 @@ def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data:
         yield struct.pack("<Q", len(blob)) + blob
         for (name, _, _), chunk in zip(specs, data):
             begin, end = header[name]["data_offsets"]
-            assert memoryview(chunk).nbytes == end - begin, name
+            if memoryview(chunk).nbytes != end - begin:  # the header would lie about the bytes that follow
+                raise InternalError(f"{path}: {name} has {memoryview(chunk).nbytes} bytes of data, its header "
+                                    f"entry {end - begin}")
             yield chunk
 
     return write_file(path, chunks())
