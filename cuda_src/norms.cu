@@ -12,11 +12,10 @@
 // serves any width (n % 4 == 0). Reference: rmsnorm / layernorm / gelu_erf in reference.py.
 #include "common.cuh"
 
-// A warp per row, 8 rows a block: the sum of squares is a warp shuffle, with no block barrier
-// (the block-per-row version, two __syncthreads per 4 KiB row, moved 2.7 TB/s at 2044x2044).
+// A warp per row, 8 rows a block: the sum of squares is a warp shuffle, with no block barrier.
 // A lane reads its columns in sweeps of SWEEP float4 whose loads are all issued before the first
-// is used: with one load in flight at a time, 1024 rows (448x448) left the warps waiting on
-// latency and the kernel ran at half its former speed.
+// is used: with one load in flight at a time, a short grid (448x448: 1024 rows) leaves the warps
+// waiting on latency.
 constexpr int SWEEP = 8;  // float4 per lane and sweep: a 1024-wide row is one sweep
 
 __device__ __forceinline__ float4 add4(float4 v, float4 b) {
