@@ -15,7 +15,8 @@
 
 namespace attn {
 
-// One CTA's share of the work: a 128-query tile of one segment for one head (entry blockIdx.x
+// One CTA's share of the work: a query tile of one segment for one head (128 queries for the
+// mma.sync kernel, 64 a warpgroup for the wgmma one; flash.BMS) (entry blockIdx.x
 // of the host's work list, flash.flash_work_list: {segment start row, length, first query row
 // in the segment, head | piece << 8 | pieces << 16}; the wgmma kernel alone gets pieces), and
 // where that head's Q, K and V columns start in the QKV buffer [P, 3, heads, HD] (row stride

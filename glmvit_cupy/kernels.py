@@ -25,7 +25,7 @@ import numpy as np
 from . import flash
 from .errors import InternalError
 from .faults import Checked
-from .kernel_source import cuda_source_dir, load_source, required_arch
+from .kernel_source import constants, cuda_source_dir, load_source, required_arch
 
 GATE_UP_TILE = (64, 128)  # gemm_swiglu_sm90: K and act columns come in whole tiles of these
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
@@ -93,6 +93,7 @@ class Kernels:
         if check_launches:  # faults.py: each launch waits for itself and names itself if it faults
             self._f = {name: Checked(f, f"kernel {name}") for name, f in self._f.items()}
         self._maps = TensorMaps() if self.hopper else None
+        self._norm_rows = constants((cuda_source_dir() / "norms.cu").read_text())["ROWS"]  # a warp each
         self._sms = device.attributes["MultiProcessorCount"]
         # 3 stages of a 128-row X box and two 128-row W boxes (64 columns each), the staging tile
         # (128 rows of 2 x 128 + 8 BF16), alignment slack
@@ -125,8 +126,8 @@ class Kernels:
     def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,
                      eps: float) -> None:
         rows, n = x.shape
-        self._f["rmsnorm_bias"]((-(-rows // 8),), (256,), (x, bias, w, out, np.int32(rows), np.int32(n),
-                                                           np.float32(eps)))
+        self._f["rmsnorm_bias"]((-(-rows // self._norm_rows),), (32 * self._norm_rows,),
+                                (x, bias, w, out, np.int32(rows), np.int32(n), np.float32(eps)))
 
     def layernorm_gelu(self, x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
                        eps: float) -> None:

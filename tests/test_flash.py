@@ -76,6 +76,8 @@ def test_launch_sizes_are_the_ones_the_sources_state():
 
 def test_the_sources_agree_with_flash_py():
     flash.check_sources(cuda_source_dir())
+    # What kernels.py reads from the other sources at load.
+    assert "ROWS" in constants((cuda_source_dir() / "norms.cu").read_text())
     assert constants("constexpr int BM = 128, BN = 128, BK = 64;  // x\nconstexpr int T = BM * 2;") == \
         {"BM": 128, "BN": 128, "BK": 64}
 
