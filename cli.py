@@ -133,7 +133,8 @@ encodes only what is missing.""")
 @click.option("--quiet", "-q", is_flag=True, help="No progress; only errors and the final summary line.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Pixel budget of one forward call, all images packed into it together (sizes the "
-                   "GPU scratch). [default: one image of --max-image-tokens]")
+                   f"GPU scratch). [default: one image of {MAX_IMAGE_TOKENS} merged tokens, whatever "
+                   "--max-image-tokens says]")
 @processor_options
 @user_errors
 def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_path: Path | None,
@@ -292,7 +293,8 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
         ("numerics", f"rms_norm_eps {geo.rms_norm_eps:g}, swiglu_limit {geo.swiglu_limit:g}, "
                      f"rope_theta {geo.rope_theta:g}"),
         ("p_max", f"{p_max} patches per forward call"),
-        ("gpu scratch", f"{scratch_plan(geo, p_max).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image)"),
+        ("gpu scratch", f"{scratch_plan(geo, p_max).total_bytes / 2**20:.0f} MiB at p_max (allocated on the first image; "
+                         "Hopper adds the flash pieces' buffer, sized by its SM count)"),
         ("processor", str(directory / PREPROCESSOR_FILE) if (directory / PREPROCESSOR_FILE).is_file()
          else f"no {PREPROCESSOR_FILE}: transformers' defaults"),
     ]
@@ -330,8 +332,9 @@ def extract(source: str, destination: Path) -> None:
 @click.option("--geometry", type=click.Choice(["real", "tiny"]), default="real", show_default=True,
               help="real: GLM-5.3-Flash's tower (1.05 GiB); tiny: a 2-block tower for quick runs.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the weights.")
+@click.option("--force", is_flag=True, help="Replace the checkpoint DIRECTORY already holds (never another directory).")
 @user_errors
-def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
+def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> None:
     """Write a checkpoint in the released layout with random weights into DIRECTORY.
 
     Same config.json, shard index, tensor names, shapes and BF16 dtype as the real
@@ -341,7 +344,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int) -> None:
     from glmvit_cupy.checkpoint import locate_tower
     from glmvit_cupy.synthetic import write_checkpoint
 
-    out = write_checkpoint(directory, geometry, seed)
+    out = write_checkpoint(directory, geometry, seed, replace=force)
     loc = locate_tower(out)
     click.echo(f"{out}: {geometry} tower, {len(loc.entries)} BF16 tensors, "
                f"{loc.tower_bytes / 2**20:.1f} MiB, seed {seed}")

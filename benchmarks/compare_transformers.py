@@ -121,7 +121,8 @@ def main() -> None:
             transformers_tflops=round(forward_flops(vit.geometry, grid) / hf_ms / 1e9, 1),
             scratch_mib_ours=round(vit.scratch_bytes / 2**20, 1), scratch_mib_transformers=round(hf_mem / 2**20, 1),
             # the scratch of an engine whose max_pixels is exactly this case's pixels
-            scratch_mib_ours_sized=round(scratch_plan(vit.geometry, p).total_bytes / 2**20, 1),
+            scratch_mib_ours_sized=round(scratch_plan(vit.geometry, p, vit.tower.k.flash_piece_rows()).total_bytes
+                                         / 2**20, 1),
             max_rel_err_ours=float(f"{err_ours:.3e}"), max_rel_err_transformers=float(f"{err_hf:.3e}"),
             ours_first_call_ms=round(ours.first_call_ms, 1), transformers_first_call_ms=round(hf_first, 1),
             compile_ms=None if compile_ms is None else round(compile_ms, 3),

@@ -15,8 +15,9 @@
 
 namespace attn {
 
-// One CTA's share of the work: a 128-query tile of one segment for one head (entry blockIdx.x
-// of the host's work list, layout.flash_work_list: {segment start row, length, first query row
+// One CTA's share of the work: a query tile of one segment for one head (128 queries for the
+// mma.sync kernel, 64 a warpgroup for the wgmma one; flash.BMS) (entry blockIdx.x
+// of the host's work list, flash.flash_work_list: {segment start row, length, first query row
 // in the segment, head | piece << 8 | pieces << 16}; the wgmma kernel alone gets pieces), and
 // where that head's Q, K and V columns start in the QKV buffer [P, 3, heads, HD] (row stride
 // `ld`).
@@ -75,8 +76,8 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // Copy ROWS rows of HD values (global row stride `ld`) into a swizzled tile with cp.async;
 // rows at or past `valid` are zero-filled (src-size 0 reads nothing). A thread copies the same
 // 16-byte chunk of every STEP-th row, so its swizzle and address arithmetic are computed once
-// and the loop unrolls to ROWS / STEP cp.async (the first version's loop over a flat index
-// cost more instructions than the softmax: the wgmma kernel was issue-bound on them).
+// and the loop unrolls to ROWS / STEP cp.async (a loop over a flat index costs more instructions
+// than the softmax, and the wgmma kernel is bound by instruction issue).
 template <int ROWS, int HD, int THREADS>
 __device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long ld, int valid) {
     constexpr int CHUNKS = HD / 8, STEP = THREADS / CHUNKS;

@@ -17,7 +17,7 @@
 // it are computed on zeros and not stored.
 //
 // Work list (`tiles`, one int4 per CTA; attention.cuh's Work), built on the host from the
-// segments (engine.py). Segments of one batch may differ in length; each CTA walks only its
+// segments (flash.py's flash_work_list). Segments of one batch may differ in length; each CTA walks only its
 // own segment's keys, in a fixed order, so results do not depend on where an image sits in a
 // batch.
 // Input: the QKV buffer [P, 3, heads, HD] after qknorm_rope (row stride 3 * heads * HD).

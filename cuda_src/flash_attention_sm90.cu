@@ -23,21 +23,18 @@
 // exponentials, which at head_dim 64 take as long as the MMAs. S_j, P_{j-1}, O, the row sums
 // and Q are all live at once (100 of a thread's 126 registers); 16 warps share an SM.
 // Why several warpgroups a CTA: they read each K/V tile from L2 once for all of them. Alone, in
-// short bursts, one warpgroup a CTA is fastest (21316 keys: 502 TFLOP/s against 426 and 449 for
-// 2 and 4); in the whole forward, where the H200 sits at its 700 W cap and its clock follows
-// power, 4 ran 2044x2044 3.3% faster and 1036x1036 1.7% (benchmarks/NOTES.md). The engine
-// takes the widest tile that still gives every SM a CTA (kernels.Kernels.flash_bm).
+// short bursts, one warpgroup a CTA is fastest; in the whole forward, where a power-capped GPU's
+// clock follows power, the L2 traffic saved wins (benchmarks/NOTES.md). The engine takes the
+// widest tile that still gives every SM a CTA (flash.choose_bm).
 // K/V tiles go through 3 shared-memory stages: tile j is read by S_j, tile j-1 by the PV still
 // in flight, and tile j+1 loads meanwhile. One thread loads them with TMA (cp.async.bulk.tensor,
 // a 64 x 64 box per instruction, 128B-swizzled by the copy engine into the layout the
 // descriptors declare, rows past the buffer's end zero-filled) and arms the stage's mbarrier
 // with the bytes to expect; everyone waits on its phase. With several warpgroups, the last one
 // done with a stage (a shared counter) refills it, so none waits for the others unless it runs
-// a whole tile ahead (a CTA-wide barrier per tile, in the first two-warpgroup version, kept
-// them in lockstep and cost 7-10% at 1024-5476 keys). The cp.async version spent 80 of its
-// ~310 instructions per warp and tile on load addresses and row guards: TMA took the kernel
-// from 435 to 457 TFLOP/s at 21316 keys and from 399 to 445 at 5476; the tensor-core row sums
-// and stepped stage indices (instead of j % 3) then to 502 at 21316 (benchmarks/NOTES.md).
+// a whole tile ahead (a CTA-wide barrier per tile would keep them in lockstep). TMA rather than
+// cp.async because the kernel is bound by instruction issue, and cp.async spends a quarter of a
+// warp's instructions on load addresses and row guards (benchmarks/NOTES.md).
 // Reference: segment_attention in reference.py; cross-checks: flash_attention.cu, naive path.
 #include "attention.cuh"
 #include "wgmma.cuh"
@@ -270,7 +267,7 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
     // runs, and the wait for that PV opens the next iteration. Written the other way round
     // (wait between softmax and rescale), ptxas hoists the wait above the exponentials and
     // the overlap is lost; a wait cannot move up across the loop's back edge. The stages and
-    // the barrier parity are stepped, not computed from j (each j % 3 cost ~6 instructions).
+    // the barrier parity are stepped, not computed from j (j % 3 costs several instructions).
     static_assert(STAGES == 3, "the free stage is the one neither tile j nor j - 1 occupies");
     int prev = 0, cur = 1, phase = 0;  // stages of tiles j - 1 and j, parity of tile j's barrier
     for (int j = 1; j <= n_tiles; ++j) {
@@ -340,10 +337,9 @@ __device__ __forceinline__ void flash_tile(const void* qkv_map, bf16* out, const
 // the 128B swizzle, rows at or past P read as zeros. Grid: one CTA per work-list entry. Entries
 // from first_piece on are pieces: their rows go to `partial` (slot blockIdx.x - first_piece) and
 // counters[(blockIdx.x - first_piece) / pieces] (zero between launches) counts them. Why pieces:
-// with 4 warpgroups a CTA one CTA fits an SM, and 2044x2044's 1344 CTAs are 10.2 rounds on 132
-// SMs, the last 24 of which took a whole round (0.37 ms of 4.04 a block); layout.flash_work_list
-// cuts such a tail into pieces that fill whole rounds. A separate combine kernel cost 14-17 us a
-// block, more than the merge in the last piece.
+// with 4 warpgroups a CTA one CTA fits an SM, and a tail of a few CTAs past the last whole
+// round takes as long as a round; flash.flash_work_list cuts such a tail into pieces that fill
+// whole rounds. The last piece merges them: a separate combine kernel costs more.
 #define FLASH_SM90(NAME, WGS)                                                                                    \
     extern "C" __global__ void __launch_bounds__(128 * WGS, 4 / WGS)                                             \
     NAME(const void* __restrict__ qkv_map, bf16* __restrict__ out, const int4* __restrict__ tiles, int heads,     \

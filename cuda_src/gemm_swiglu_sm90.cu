@@ -14,13 +14,12 @@
 //       in shared memory and go straight on to the next tile.
 //   WG3 epilogue: reads the staging tile, applies bias and the clamped SwiGLU, and writes act
 //       rows with 16-byte stores, while the tensor cores work on the next tile.
-// The first version ran the SwiGLU in the MMA warpgroups' registers: the tensor cores then
-// waited for every epilogue, and it was 12-14% slower (at 21316 rows: 0.58 vs 0.51 ms; cuBLAS's
-// GEMM alone takes 0.52 and with the swiglu pass 0.70). Registers follow the jobs (setmaxnreg):
-// producer 40, epilogue 96, MMA 184 (128 accumulators).
+// The epilogue has a warpgroup of its own because, run in the MMA warpgroups' registers, it
+// keeps the tensor cores waiting. Registers follow the jobs (setmaxnreg): producer 40,
+// epilogue 96, MMA 184 (128 accumulators).
 // Tiles go n-fastest, so the CTAs in flight share their X rows in L2; W (16 MiB for a block)
-// stays in L2 as well. Measured and not kept (benchmarks/NOTES.md): clusters of 2 CTAs
-// multicasting the W tiles (slower); a non-persistent grid (-4%); IEEE division in silu.
+// stays in L2 as well. Tried and not kept (benchmarks/NOTES.md): clusters of 2 CTAs
+// multicasting the W tiles; a non-persistent grid; IEEE division in silu.
 // Barriers: per stage full[s] (its TMA bytes) and empty[s] (one arrival per MMA warpgroup once
 // the wgmma group that read it has completed); per tile staged (256 MMA threads have written the
 // staging tile) and drained (the 128 epilogue threads have read it).
@@ -52,7 +51,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a
                  : ACC64(d) : "l"(a), "l"(b));
 }
 
-// ex2.approx and rcp.approx (IEEE division was 20% of the first version's time); for v -> -inf
+// ex2.approx and rcp.approx (IEEE division is a large share of the epilogue); for v -> -inf
 // the quotient goes to -0, as silu does.
 __device__ __forceinline__ float fast_silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 

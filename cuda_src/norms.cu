@@ -12,12 +12,12 @@
 // serves any width (n % 4 == 0). Reference: rmsnorm / layernorm / gelu_erf in reference.py.
 #include "common.cuh"
 
-// A warp per row, 8 rows a block: the sum of squares is a warp shuffle, with no block barrier
-// (the block-per-row version, two __syncthreads per 4 KiB row, moved 2.7 TB/s at 2044x2044).
+// A warp per row, ROWS rows a block: the sum of squares is a warp shuffle, with no block barrier.
 // A lane reads its columns in sweeps of SWEEP float4 whose loads are all issued before the first
-// is used: with one load in flight at a time, 1024 rows (448x448) left the warps waiting on
-// latency and the kernel ran at half its former speed.
+// is used: with one load in flight at a time, a short grid (448x448: 1024 rows) leaves the warps
+// waiting on latency.
 constexpr int SWEEP = 8;  // float4 per lane and sweep: a 1024-wide row is one sweep
+constexpr int ROWS = 8;   // rows (warps) a block of rmsnorm_bias; the launcher reads it from here
 
 __device__ __forceinline__ float4 add4(float4 v, float4 b) {
     return make_float4(v.x + b.x, v.y + b.y, v.z + b.z, v.w + b.w);
@@ -27,10 +27,10 @@ __device__ __forceinline__ float4 biased(const float* row, const float* bias, in
     return add4(*reinterpret_cast<const float4*>(row + i), *reinterpret_cast<const float4*>(bias + i));
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(32 * ROWS)
 rmsnorm_bias(const float* __restrict__ x, const float* __restrict__ bias, const bf16* __restrict__ w,
              bf16* __restrict__ out, int rows, int n, float eps) {
-    const int row_id = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int row_id = blockIdx.x * ROWS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row_id >= rows) return;  // whole warps leave: the shuffles below see all 32 lanes
     const float* row = x + (long long)row_id * n;
     float ss = 0.f;

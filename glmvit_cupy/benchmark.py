@@ -24,8 +24,9 @@ def attention_flops(geo: GlmVitGeometry, grid_thw: np.ndarray) -> float:
 
 
 def forward_flops(geo: GlmVitGeometry, grid_thw: np.ndarray) -> float:
-    """Multiply-adds x 2 of one forward (SPEC.md's cost model, with the exact segments): the
-    attention, and the GEMMs (patch embed, the blocks' linears, the merger's)."""
+    """Multiply-adds x 2 of one forward, with the exact segments: the attention, and the GEMMs
+    (patch embed, the blocks' linears, the merger's); tests/test_flops.py holds it to the
+    matmuls the NumPy reference runs."""
     p = float(np.prod(grid_thw, axis=1).sum())
     m = p / geo.merge_unit
     h, i, o, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
@@ -73,6 +74,7 @@ def cublas_peak(n: int = 8192, seconds: float = 3.0) -> CublasPeak:
     """The ceilings an engine's TFLOP/s is a percentage of (see CublasPeak)."""
     import cupy
 
+    from .bf16 import f32_to_bf16_bits
     from .cublas import Cublas
 
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -81,8 +83,7 @@ def cublas_peak(n: int = 8192, seconds: float = 3.0) -> CublasPeak:
         workspace = cupy.empty(32 << 20, dtype=cupy.uint8)
         blas.set_workspace(workspace)
         rng = cupy.random.default_rng(0)
-        a = (rng.standard_normal((n, n), dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
-        b = (rng.standard_normal((n, n), dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+        a, b = (f32_to_bf16_bits(rng.standard_normal((n, n), dtype=cupy.float32)) for _ in range(2))
         c = cupy.empty((n, n), dtype=cupy.uint16)
 
     def gemm() -> None:

@@ -32,12 +32,13 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import GlmVitError
+from .errors import GlmVitError, InternalError
 from .geometry import GlmVitGeometry, load_geometry
+from .weights import FUSED_PAIRS, tower_shapes
 
 # Probed in this order; "" is the bare layout of a saved Glm5NextVisionModel, last because
 # only a vision-only file has a top-level patch_embed.
@@ -45,53 +46,7 @@ TOWER_PREFIXES = ("model.visual", "model.language_model.visual", "visual", "")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# Per block, in arena order: gate/up weights adjacent, then gate/up biases adjacent.
-BLOCK_TENSORS = (
-    "norm1.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.q_norm.weight",
-    "attn.k_norm.weight", "attn.proj.weight", "attn.proj.bias", "norm2.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias",
-    "mlp.down_proj.weight", "mlp.down_proj.bias",
-)
-NON_BLOCK_TENSORS = (
-    "patch_embed.proj.weight", "patch_embed.proj.bias", "post_layernorm.weight",
-    "downsample.weight", "downsample.bias", "merger.proj.weight",
-    # The only mean-subtracting, biased norm in the tower: its bias is what tells it apart.
-    "merger.post_projection_norm.weight", "merger.post_projection_norm.bias",
-    "merger.gate_proj.weight", "merger.up_proj.weight", "merger.down_proj.weight",
-)
-# Names stored back to back in the arena (no alignment padding between them).
-FUSED_PAIRS = {"mlp.gate_proj.weight": "mlp.up_proj.weight",
-               "mlp.gate_proj.bias": "mlp.up_proj.bias",
-               "merger.gate_proj.weight": "merger.up_proj.weight"}
 ARENA_ALIGN = 256  # bytes; cuBLAS and the 16-byte vector loads want aligned operands
-
-
-def tower_shapes(geo: GlmVitGeometry) -> dict[str, tuple[int, ...]]:
-    """Every tower tensor's short name -> the shape the engines read it as (flattened 2-D)."""
-    h, i, o, pi, hd = (geo.hidden_size, geo.intermediate_size, geo.out_hidden_size,
-                       geo.projection_intermediate_size, geo.head_dim)
-    block = {
-        "norm1.weight": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
-        "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,),
-        "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "norm2.weight": (h,),
-        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-        "mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,),
-        "mlp.down_proj.weight": (h, i), "mlp.down_proj.bias": (h,),
-    }
-    shapes = {f"blocks.{b}.{name}": block[name] for b in range(geo.depth) for name in BLOCK_TENSORS}
-    shapes.update({
-        # Conv3d (h, C, T, p, p): kernel == stride == the patch, so one GEMM over (c, t, py, px).
-        "patch_embed.proj.weight": (h, geo.patch_dim), "patch_embed.proj.bias": (h,),
-        "post_layernorm.weight": (h,),
-        # Conv2d (out, h, 2, 2) read in (channel, kh, kw) order against the 2x2 im2col.
-        "downsample.weight": (o, h * geo.merge_unit), "downsample.bias": (o,),
-        "merger.proj.weight": (o, o),
-        "merger.post_projection_norm.weight": (o,), "merger.post_projection_norm.bias": (o,),
-        "merger.gate_proj.weight": (pi, o), "merger.up_proj.weight": (pi, o),
-        "merger.down_proj.weight": (o, pi),
-    })
-    assert len(shapes) == geo.tensor_count
-    return shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +103,9 @@ class TowerWeights:
         """A FUSED_PAIRS pair as one tensor (first's rows, then second's): a view, no copy."""
         a, b = self.raw(first), self.raw(second)
         start = self.offsets[first]
-        assert self.offsets[second] == start + a.size, f"{second} does not follow {first}"
+        if self.offsets[second] != start + a.size:
+            raise InternalError(f"{second} does not follow {first} in the arena: at element {self.offsets[second]}, "
+                                f"not {start + a.size}")
         return self.arena[start:start + a.size + b.size].reshape((a.shape[0] + b.shape[0],) + a.shape[1:])
 
 
@@ -504,75 +461,3 @@ def bind_checkpoint(model_dir: str | Path) -> TowerWeights:
     """locate + read: the tower's weights, ready for either backend (and any number of engines)."""
     return read_tower(locate_tower(model_dir))
 
-
-A = TypeVar("A")
-
-
-@dataclasses.dataclass(frozen=True)
-class GlmVitBlock(Generic[A]):
-    """One ViT block's weights, as the backend holds them (NumPy float32 or device BF16)."""
-
-    norm1_w: A
-    qkv_w: A  # [3h, h]
-    qkv_b: A
-    # Per-head RMSNorm on Q and K, [head_dim]: after the QKV split, BEFORE the rotary.
-    q_norm_w: A
-    k_norm_w: A
-    proj_w: A
-    proj_b: A
-    norm2_w: A
-    gate_up_w: A  # [2 x intermediate, h]: gate rows, then up rows (one GEMM)
-    gate_up_b: A
-    down_w: A
-    down_b: A
-
-
-@dataclasses.dataclass(frozen=True)
-class GlmVitMerger(Generic[A]):
-    """Everything after the last block: post-norm, 2x2 conv downsample, the merger MLP."""
-
-    post_layernorm_w: A
-    downsample_w: A  # [out, 4h], (channel, kh, kw) order: the im2col is a plain reshape
-    downsample_b: A
-    proj_w: A
-    norm_w: A  # LayerNorm (mean-subtracting, biased), unlike every other norm here
-    norm_b: A
-    gate_up_w: A  # [2 x projection_intermediate, out]
-    down_w: A
-
-
-@dataclasses.dataclass(frozen=True)
-class GlmVitTensors(Generic[A]):
-    patch_embed_w: A  # [h, patch_dim]
-    patch_embed_b: A
-    blocks: list[GlmVitBlock[A]]
-    merger: GlmVitMerger[A]
-
-
-def structure(weights: TowerWeights, convert: Callable[[np.ndarray], Any]) -> GlmVitTensors:
-    """Arrange the raw tensors as blocks + merger; `convert` turns each raw view into the
-    backend's array (widened float32 for NumPy, a device view of the uploaded arena for CuPy)."""
-    def t(name: str) -> Any:
-        return convert(weights.raw(name))
-
-    def pair(first: str, second: str) -> Any:
-        return convert(weights.fused(first, second))
-
-    blocks = []
-    for i in range(weights.location.geometry.depth):
-        b = f"blocks.{i}."
-        blocks.append(GlmVitBlock(
-            norm1_w=t(b + "norm1.weight"), qkv_w=t(b + "attn.qkv.weight"), qkv_b=t(b + "attn.qkv.bias"),
-            q_norm_w=t(b + "attn.q_norm.weight"), k_norm_w=t(b + "attn.k_norm.weight"),
-            proj_w=t(b + "attn.proj.weight"), proj_b=t(b + "attn.proj.bias"),
-            norm2_w=t(b + "norm2.weight"),
-            gate_up_w=pair(b + "mlp.gate_proj.weight", b + "mlp.up_proj.weight"),
-            gate_up_b=pair(b + "mlp.gate_proj.bias", b + "mlp.up_proj.bias"),
-            down_w=t(b + "mlp.down_proj.weight"), down_b=t(b + "mlp.down_proj.bias")))
-    merger = GlmVitMerger(
-        post_layernorm_w=t("post_layernorm.weight"), downsample_w=t("downsample.weight"),
-        downsample_b=t("downsample.bias"), proj_w=t("merger.proj.weight"),
-        norm_w=t("merger.post_projection_norm.weight"), norm_b=t("merger.post_projection_norm.bias"),
-        gate_up_w=pair("merger.gate_proj.weight", "merger.up_proj.weight"),
-        down_w=t("merger.down_proj.weight"))
-    return GlmVitTensors(t("patch_embed.proj.weight"), t("patch_embed.proj.bias"), blocks, merger)

@@ -1,6 +1,6 @@
 """BF16 GEMMs through cuBLAS, called so that a CUDA graph can capture them.
 
-The design card says `cupy.cublas`. CuPy's bindings (`cupy_backends.cuda.libs.cublas`) set
+Not `cupy.cublas`: CuPy's bindings (`cupy_backends.cuda.libs.cublas`) set
 the handle's stream before every call and refuse when that stream is capturing
 ("calling cuBLAS API during stream capture is currently unsupported"), which rules out
 capturing the forward in a graph. cuBLAS itself captures fine once a handle has its own
@@ -22,7 +22,7 @@ import ctypes
 
 import cupy
 
-from .errors import GlmVitError
+from .errors import GlmVitError, InternalError
 from .faults import check_stream
 
 _OP_N, _OP_T = 0, 1
@@ -89,7 +89,8 @@ class Cublas:
         """out[rows, n] (+)= x[rows, k] . w[n, k]^T. Rows of each operand may be strided (views)."""
         rows, k = x.shape
         n = w.shape[0]
-        assert w.shape[1] == k and out.shape == (rows, n), (x.shape, w.shape, out.shape)
+        if w.shape[1] != k or out.shape != (rows, n):
+            raise InternalError(f"linear: x {x.shape} . w {w.shape}^T does not fit out {out.shape}")
         # Column-major view: out^T (n x rows) = w (n x k, i.e. w^T stored) . x^T.
         self._call(_OP_T, n, rows, k, w, _ld(w), x, _ld(x), out, _ld(out), accumulate)
 
@@ -97,11 +98,14 @@ class Cublas:
         """out[rows, n] = a[rows, k] . b[k, n]."""
         rows, k = a.shape
         n = b.shape[1]
-        assert b.shape[0] == k and out.shape == (rows, n), (a.shape, b.shape, out.shape)
+        if b.shape[0] != k or out.shape != (rows, n):
+            raise InternalError(f"matmul: a {a.shape} . b {b.shape} does not fit out {out.shape}")
         self._call(_OP_N, n, rows, k, b, _ld(b), a, _ld(a), out, _ld(out), False)
 
 
 def _ld(array: cupy.ndarray) -> int:
     """Row stride in elements of a 2-D view whose rows are contiguous."""
-    assert array.ndim == 2 and array.strides[1] == array.itemsize, array.strides
+    if array.ndim != 2 or array.strides[1] != array.itemsize:
+        raise InternalError(f"a GEMM operand must be 2-D with contiguous rows: shape {array.shape}, "
+                            f"strides {array.strides}")
     return array.strides[0] // array.itemsize

@@ -9,14 +9,14 @@ differences are where the data lives and how it is rounded:
   running sum of those biases, and each norm kernel adds that sum (precomputed at load, one
   float32 vector per norm) as it reads the row. The q, k and gate|up biases are added by the
   kernels that consume those products; the v bias rides in the same running sums (bias_sums).
-- Attention is the fused flash kernel (default) or the seed's materialised path
-  (attention="naive": f32 score GEMM, softmax_rows, PV GEMM) kept as the cross-check.
+- Attention is the fused flash kernel (default) or the materialised path (attention="naive":
+  f32 score GEMM, softmax_rows, PV GEMM), kept as the cross-check and for other head dims.
 - On Hopper the MLPs' gate|up GEMM and clamped SwiGLU are one kernel (gemm_swiglu_sm90.cu)
   reading its operands by TMA; elsewhere (or for dims not in its tiles) cuBLAS + swiglu_clamp.
 - Memory is the preallocated `GlmVitScratch`, allocated on the first image.
 - A shape seen a second time is captured as a CUDA graph and replayed from then on (a launch
-  from Python costs ~9 us, a replayed node ~1 us; 24 blocks are ~250 launches). The first
-  image of a shape runs eagerly, so it never waits on a capture.
+  from Python costs several times a replayed node, and 24 blocks are ~250 launches). The
+  first image of a shape runs eagerly, so it never waits on a capture.
 Everything runs on the engine's own stream; `forward` returns once the outputs are ready.
 """
 
@@ -29,47 +29,27 @@ from typing import Callable
 import cupy
 import numpy as np
 
-from .checkpoint import GlmVitTensors, TowerWeights, structure
+from .checkpoint import TowerWeights
 from .cublas import Cublas
 from .errors import GlmVitError
 from .faults import check_launches, check_stream, synchronize
-from .kernels import FLASH_HEAD_DIMS, GATE_UP_TILE, QKNORM_HEAD_DIMS, Kernels
-from .layout import FlashWork, block_major_positions, flash_work_list, frame_segments, num_patches, rope_inv_freq
-from .reference import LAYERNORM_EPS, bf16_to_f32
+from .flash import HEAD_DIMS as FLASH_HEAD_DIMS
+from .flash import FlashWork, flash_work_list
+from .kernels import GATE_UP_TILE, QKNORM_HEAD_DIMS, Kernels
+from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
+from .reference import LAYERNORM_EPS
 from .scratch import GlmVitScratch, scratch_plan
+from .weights import GlmVitTensors, bias_sums, structure
 
 ATTENTION = ("auto", "flash", "naive")
 MAX_GRAPHS = 16  # captured shapes kept (each is a few hundred nodes and no memory of its own)
 
 
-def bias_sums(weights: TowerWeights) -> np.ndarray:
-    """The biases missing from the residual stream at each norm, float32 [2 x depth + 1, h]:
-    before block i's norm1 (row 2i), its norm2 (2i + 1), and the post-layernorm (last).
-
-    Besides the GEMM biases this carries the v bias of each block, pushed through its proj:
-    softmax rows sum to one, so attention(q, k, v + b_v) = attention(q, k, v) + b_v, and the
-    proj turns that into + proj_w . b_v. Nothing on the device then adds b_v to v (a third
-    of qknorm_rope's traffic in its first version)."""
-    geo = weights.location.geometry
-    h = geo.hidden_size
-    total = bf16_to_f32(weights.raw("patch_embed.proj.bias")).copy()
-    rows = []
-    for i in range(geo.depth):
-        rows.append(total.copy())
-        v_bias = bf16_to_f32(weights.raw(f"blocks.{i}.attn.qkv.bias"))[2 * h:]
-        proj_w = bf16_to_f32(weights.raw(f"blocks.{i}.attn.proj.weight"))
-        total += bf16_to_f32(weights.raw(f"blocks.{i}.attn.proj.bias")) + proj_w @ v_bias
-        rows.append(total.copy())
-        total += bf16_to_f32(weights.raw(f"blocks.{i}.mlp.down_proj.bias"))
-    rows.append(total)
-    return np.stack(rows)
-
-
 @dataclasses.dataclass(frozen=True)
 class GridTables:
     """What one grid_thw needs besides the pixels: its attention segments and flash work list,
-    the tokens' RoPE positions and (Hopper) the TMA descriptor of its QKV rows. Building them
-    took 0.07 ms at 448 and 1.1 ms at 32x448, time the GPU would sit idle in front of a graph."""
+    the tokens' RoPE positions and (Hopper) the TMA descriptor of its QKV rows. Cached, since
+    the GPU would sit idle in front of a graph while they are built."""
 
     key: bytes  # grid_thw.tobytes()
     seen: bool  # built for an earlier call: a call without a graph captures one
@@ -127,9 +107,9 @@ class CupyTower:
             raise GlmVitError(f"flash attention is compiled for head_dim {FLASH_HEAD_DIMS}, this tower has "
                               f"{geo.head_dim}: use attention='naive'")
         self.attention_kind = attention
-        self.plan = scratch_plan(geo, p_max)
         self.stream, self.k, self.blas = runtime.stream, runtime.kernels, runtime.blas
         self.check_launches = runtime.check_launches
+        self.plan = scratch_plan(geo, p_max, self.k.flash_piece_rows() if attention == "flash" else 0)
         with self.stream:
             self.arena = cupy.asarray(weights.arena)  # the whole tower, one host-to-device copy
             self.inv_freq = cupy.asarray(rope_inv_freq(geo))
@@ -166,7 +146,7 @@ class CupyTower:
     def _scratch(self) -> GlmVitScratch:
         if self.scratch is None:
             with self.device, self.stream:
-                s = self.scratch = GlmVitScratch(self.geo, self.plan, naive=self.attention_kind == "naive")
+                s = self.scratch = GlmVitScratch(self.plan, naive=self.attention_kind == "naive")
                 if self.fused_mlp:  # over all p_max rows: rows past a call's p feed only unstored output rows
                     s.normed_map.set(self.k.gate_up_map(s.normed), stream=self.stream)
                     s.merge_y_map.set(self.k.gate_up_map(s.merge_y), stream=self.stream)
@@ -263,7 +243,8 @@ class CupyTower:
             self._body(p, tables.segments, tables.work, None)
 
     def _body(self, p: int, segments: np.ndarray, work: FlashWork, marks) -> None:
-        """Steps 1-8 of SPEC.md's forward pass: no allocation, no host sync (graph-capturable)."""
+        """The forward's steps 1-8, numbered as in reference.py: no allocation, no host sync
+        (graph-capturable)."""
         geo, s, k, blas, w = self.geo, self.scratch, self.k, self.blas, self.w
         mark = marks or (lambda stage: None)
         eps = geo.rms_norm_eps
@@ -289,15 +270,15 @@ class CupyTower:
 
     def _attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, segments: np.ndarray,
                    tiles: cupy.ndarray, work: FlashWork) -> None:
-        """tiles: work.tiles on the device. Pieces pass their rows through the cuBLAS workspace (no
-        GEMM runs during the attention) and count themselves in the scratch's piece_counters."""
+        """tiles: work.tiles on the device. Pieces leave their rows in the scratch's pieces and
+        count themselves in its piece_counters."""
         geo, s = self.geo, self.scratch
         if self.attention_kind == "flash":
             self.k.flash_attention(qkv, qkv_map, out, tiles, len(work.tiles), geo.num_heads, geo.head_dim, work.bm,
-                                   s.workspace.view(cupy.float32), s.piece_counters, work.first_piece, work.pieces)
+                                   s.pieces, s.piece_counters, work.first_piece, work.pieces)
             return
         h, hd = geo.hidden_size, geo.head_dim
-        for start, length in segments.tolist():  # the seed's path, one (segment, head) at a time
+        for start, length in segments.tolist():  # one (segment, head) at a time
             scores = s.scores[:length * length].reshape(length, length)
             probs = s.probs[:length * length].reshape(length, length)
             rows = qkv[start:start + length]
@@ -316,7 +297,7 @@ class CupyTower:
 
         The fused kernel writes only act [rows, inter], so buf holds twice the rows it does for
         cuBLAS + swiglu_clamp ([rows, 2 x inter], act in place over the gate half). Chunks are
-        equal and whole 128-row tiles: a short last chunk ran the down GEMM at 373 TFLOP/s."""
+        equal and whole 128-row tiles: a short last chunk runs the down GEMM far below its rate."""
         inter, limit, total = gate_up_w.shape[0] // 2, self.geo.swiglu_limit, x.shape[0]
         width = inter if maps is not None else 2 * inter
         cap = buf.size // width

@@ -10,3 +10,9 @@ traceback. Bugs stay ordinary exceptions, so they do show one.
 
 class GlmVitError(Exception):
     """A user-facing refusal: one line naming the culprit."""
+
+
+class InternalError(RuntimeError):
+    """A broken invariant of the package itself (a bug, not the caller's input): checked with
+    `if`, not `assert`, where breaking it would read or write out of bounds, so `python -O`
+    keeps the check."""

@@ -3,9 +3,8 @@
 Everything the engines need that is not a weight lives here, with the derived sizes
 (head_dim, patch_dim) computed once. The patch budget of one forward call is not the
 model's shape but an engine's choice (`patch_budget`): several engines with different
-budgets can share one bound checkpoint. The constructor plays the role of the seed's
-`GlmVit::new`: it refuses a geometry the math or the kernels cannot run, and each refusal
-names the numbers.
+budgets can share one bound checkpoint. The constructor refuses a geometry the math or the
+kernels cannot run, and each refusal names the numbers.
 
 config.json comes in two layouts: the full GLM-5.3-Flash model (`model_type` glm5_next,
 the tower under a nested `vision_config`) and a vision-only export (`model_type`
@@ -52,7 +51,7 @@ _ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 
 @dataclasses.dataclass(frozen=True)
 class GlmVitGeometry:
-    """The seed's `GlmVitGeometry` plus depth and in_channels; validated on construction."""
+    """The tower's shape (the fields of a vision config.json); validated on construction."""
 
     depth: int
     hidden_size: int

@@ -1,10 +1,11 @@
 """Load `cuda_src/*.cu` as CuPy RawModules and launch their kernels with explicit geometry.
 
-One loader for every file (httomolibgpu's pattern): the source is read from the package
-data (or the repository checkout), each `#include "x.cuh"` of ours is pasted in place so
-CuPy's on-disk compile cache keys on the full text, and `#line` directives make compiler
-errors point into the right file. NVRTC compiles for the current device's architecture,
-or for the one a file names in a `// requires: sm_90a` line (wgmma needs the "a" target).
+One loader for every file (httomolibgpu's pattern): the source text comes from
+`kernel_source` (our headers pasted in, so CuPy's on-disk compile cache keys on the full
+text, under `#line` directives that make compiler errors point into the right file). NVRTC
+compiles for the current device's architecture, or for the one a file names in a
+`// requires: sm_90a` line (wgmma needs the "a" target). Flash attention's launch sizes and
+tile policy are `flash.py`'s, checked against the sources here at load.
 Every module is built once per process, at load (`Kernels()`), so the first image never
 waits on a compile; later processes hit CuPy's cache.
 
@@ -17,53 +18,17 @@ by TMA, through descriptors the driver API encodes (`TensorMaps`: CuPy has no wr
 from __future__ import annotations
 
 import ctypes
-import re
-from pathlib import Path
 
 import cupy
 import numpy as np
 
+from . import flash
+from .errors import InternalError
 from .faults import Checked
-from .layout import FLASH_BN
+from .kernel_source import constants, cuda_source_dir, load_source, required_arch
 
-FLASH_HEAD_DIMS = (64,)  # head dims the flash kernels are instantiated for
-# Queries per CTA each flash kernel comes in: mma.sync one; wgmma 64 per warpgroup, 1, 2 or 4 a CTA
-# sharing every K/V tile (kernel names: _hd64, _hd64_wg2, _hd64_wg4)
-FLASH_BM = {"flash_attention": (128,), "flash_attention_sm90": (256, 128, 64)}
 GATE_UP_TILE = (64, 128)  # gemm_swiglu_sm90: K and act columns come in whole tiles of these
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
-_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.M)
-_REQUIRES = re.compile(r"^// requires: (sm_\w+)$", re.M)
-
-
-def cuda_source_dir() -> Path:
-    """The installed package data, else the repository's top-level cuda_src/."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
-        if (candidate / "common.cuh").is_file():
-            return candidate
-    raise FileNotFoundError(f"cuda_src/ not found beside {here}: the package is installed without its kernels")
-
-
-def load_source(path: Path, pasted: set[str] | None = None) -> str:
-    """The file's text with our headers pasted in (each once), under #line directives."""
-    pasted = set() if pasted is None else pasted
-    text = path.read_text()
-
-    def paste(match: re.Match) -> str:
-        name = match.group(1)
-        if name in pasted:
-            return ""
-        pasted.add(name)
-        return f"{load_source(path.parent / name, pasted)}\n#line {text.count(chr(10), 0, match.end()) + 1} \"{path}\""
-
-    return f'#line 1 "{path}"\n' + _INCLUDE.sub(paste, text)
-
-
-def required_arch(source: str) -> str | None:
-    """The target a source demands (`// requires: sm_90a`), or None for the device's own."""
-    found = _REQUIRES.search(source)
-    return found.group(1) if found else None
 
 
 def _module(name: str) -> cupy.RawModule:
@@ -88,7 +53,9 @@ class TensorMaps:
     def rows(self, array: cupy.ndarray, box_rows: int, box_cols: int) -> np.ndarray:
         """A map of a row-major 2-D BF16 array (rows past its end read as zeros), boxes of
         box_rows x box_cols swizzled 128B (box_cols x 2 = 128 bytes)."""
-        assert box_cols * 2 == 128 and array.strides[1] == 2, "the 128B swizzle needs 128-byte box rows"
+        if box_cols * 2 != 128 or array.ndim != 2 or array.strides[1] != 2:
+            raise InternalError(f"a 128B-swizzled map needs 128-byte box rows over a 2-D BF16 array: box "
+                                f"{box_rows}x{box_cols}, strides {array.strides}")
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
         dims, strides = (u64 * 2)(array.shape[1], array.shape[0]), (u64 * 1)(array.strides[0])
         box, step = (u32 * 2)(box_cols, box_rows), (u32 * 2)(1, 1)
@@ -99,10 +66,6 @@ class TensorMaps:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} "
                                f"(shape {array.shape}, box {box_rows}x{box_cols})")
         return out.view(np.uint8).copy()
-
-
-def _flash_name(module: str, bm: int) -> str:
-    return f"{module}_hd64" + (f"_wg{bm // 64}" if module.endswith("sm90") and bm > 64 else "")
 
 
 def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
@@ -117,33 +80,30 @@ class Kernels:
         # mma.sync flash kernel and cuBLAS + swiglu_clamp.
         device = cupy.cuda.Device()
         self.hopper = device.compute_capability == "90"
-        flash = "flash_attention_sm90" if self.hopper else "flash_attention"
+        self._flash_module = flash.SM90 if self.hopper else flash.GENERIC
+        flash.check_sources(cuda_source_dir())
+        self.flash_bms = flash.BMS[self._flash_module]
         names = {"convert": ("f32_to_bf16", "f32_to_f16"), "patchify": ("patchify_u8",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
                  "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
                  "merge": ("im2col_2x2", "bias_to_bf16"), "softmax": ("softmax_rows",),
-                 flash: tuple(_flash_name(flash, bm) for bm in FLASH_BM[flash])}
+                 self._flash_module: tuple(flash.kernel_name(self._flash_module, bm) for bm in self.flash_bms)}
         if self.hopper:
             names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
         self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
         if check_launches:  # faults.py: each launch waits for itself and names itself if it faults
             self._f = {name: Checked(f, f"kernel {name}") for name, f in self._f.items()}
-        self.flash_bms = FLASH_BM[flash]
         self._maps = TensorMaps() if self.hopper else None
+        self._norm_rows = constants((cuda_source_dir() / "norms.cu").read_text())["ROWS"]  # a warp each
         self._sms = device.attributes["MultiProcessorCount"]
         # 3 stages of a 128-row X box and two 128-row W boxes (64 columns each), the staging tile
         # (128 rows of 2 x 128 + 8 BF16), alignment slack
         self._gemm_smem = 3 * 3 * 128 * 64 * 2 + 128 * 264 * 2 + 1024
         if self.hopper:
             self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self._gemm_smem
-        # Per query tile: the function, its threads and dynamic shared memory. mma.sync: Q and 2
-        # K/V stages, 128 threads. wgmma: a warpgroup per 64 queries; 3 K/V stages, the Q tiles
-        # (one warpgroup's passes through a K stage), 1 KiB of slack for the 1024-byte swizzle atom.
-        tile = FLASH_BN * 64 * 2
-        self._flash = {}
+        self._flash = {}  # query tile -> (function, threads, dynamic shared memory): flash.launch
         for bm in self.flash_bms:
-            f = self._f[_flash_name(flash, bm)]
-            threads, smem = (2 * bm, (6 + (bm // 64 if bm > 64 else 0)) * tile + 1024) if self.hopper else \
-                (128, bm * 64 * 2 + 4 * tile)
+            f = self._f[flash.kernel_name(self._flash_module, bm)]
+            threads, smem = flash.launch(self._flash_module, bm)
             f.max_dynamic_shared_size_bytes = smem
             self._flash[bm] = (f, threads, smem)
 
@@ -166,8 +126,8 @@ class Kernels:
     def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,
                      eps: float) -> None:
         rows, n = x.shape
-        self._f["rmsnorm_bias"]((-(-rows // 8),), (256,), (x, bias, w, out, np.int32(rows), np.int32(n),
-                                                           np.float32(eps)))
+        self._f["rmsnorm_bias"]((-(-rows // self._norm_rows),), (32 * self._norm_rows,),
+                                (x, bias, w, out, np.int32(rows), np.int32(n), np.float32(eps)))
 
     def layernorm_gelu(self, x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
                        eps: float) -> None:
@@ -210,7 +170,7 @@ class Kernels:
         """The TMA descriptor (128 bytes) the wgmma flash kernel reads Q, K and V of the rows
         `qkv` through: rows past qkv's read as zeros, so stale scratch never enters a tile. It
         holds the row count, so it is written per grid, outside any graph. Hopper only."""
-        return self._maps.rows(qkv, FLASH_BN, 64)
+        return self._maps.rows(qkv, flash.BN, flash.HD)
 
     def gate_up_map(self, array: cupy.ndarray) -> np.ndarray:
         """The TMA descriptor gemm_swiglu reads an X or W operand through (128-row boxes).
@@ -231,16 +191,8 @@ class Kernels:
                                     shared_mem=self._gemm_smem)
 
     def flash_bm(self, lengths: list[int], heads: int) -> int:
-        """Queries per CTA for segments of these lengths: the widest tile that still gives every
-        SM a CTA. Warpgroups that share K/V tiles read them from L2 once for all: on the
-        power-capped H200 (700 W) that traffic costs clock, and in the whole forward 4
-        warpgroups a CTA ran 2044x2044 3.3% and 1036x1036 1.7% faster than 1 (alone, in short
-        bursts, they are slower: benchmarks/NOTES.md). 448x448 (1024 keys) has 64 CTAs of 256
-        queries for 132 SMs and loses 4%, so it keeps 64."""
-        for bm in self.flash_bms:
-            if sum(-(-n // bm) for n in lengths) * heads >= self._sms:
-                return bm
-        return self.flash_bms[-1]
+        """Queries per CTA for segments of these lengths on this GPU (flash.choose_bm)."""
+        return flash.choose_bm(self.flash_bms, lengths, heads, self._sms)
 
     def flash_slots(self, bm: int) -> int:
         """CTAs of a bm-query tile that run at once (a round): the SMs times the CTAs the driver
@@ -251,22 +203,33 @@ class Kernels:
         f, threads, smem = self._flash[bm]
         return self._sms * cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(f.kernel.ptr, threads, smem)
 
+    def flash_piece_rows(self) -> int:
+        """Rows the flash kernel's pieces leave at most on this GPU (sizes the scratch's pieces)."""
+        return flash.piece_rows({bm: self.flash_slots(bm) for bm in self.flash_bms})
+
     def flash_attention(self, qkv: cupy.ndarray, qkv_map: cupy.ndarray | None, out: cupy.ndarray, tiles: cupy.ndarray,
                         n_tiles: int, heads: int, head_dim: int, bm: int, partial: cupy.ndarray | None = None,
                         counters: cupy.ndarray | None = None, first_piece: int = 0, pieces: int = 0) -> None:
-        """tiles: the n_tiles entries of flash_work_list(segments, bm, ...), for one of
+        """tiles: the n_tiles entries of flash.flash_work_list(segments, bm, ...), for one of
         flash_bms; entries from first_piece on are pieces (Hopper), `pieces` a query tile. Their
         rows pass through `partial` (float32, bm x (head_dim + 2) a piece), and `counters` (uint32,
         one per query tile cut, zero between launches) tells the last piece to merge them."""
-        assert head_dim in FLASH_HEAD_DIMS
+        if head_dim not in flash.HEAD_DIMS or bm not in self._flash or n_tiles > tiles.shape[0]:
+            raise InternalError(f"flash attention: head_dim {head_dim} (compiled: {flash.HEAD_DIMS}), {bm} queries a "
+                                f"CTA (compiled: {self.flash_bms}), {n_tiles} entries of a {tiles.shape[0]}-entry list")
         scale_log2 = np.float32(head_dim ** -0.5 * float(np.log2(np.e)))
         f, threads, smem = self._flash[bm]
         if not self.hopper:
             f((n_tiles,), (threads,), (qkv, out, tiles, np.int32(heads), scale_log2), shared_mem=smem)
             return
         if pieces:
-            assert partial.size >= (n_tiles - first_piece) * bm * (head_dim + 2)
-            assert counters.size >= (n_tiles - first_piece) // pieces
+            need_rows, need_counters = (n_tiles - first_piece) * bm, (n_tiles - first_piece) // pieces
+            if partial is None or partial.size < need_rows * (head_dim + 2) or counters is None or \
+                    counters.size < need_counters:
+                raise InternalError(f"flash attention: {n_tiles - first_piece} pieces need {need_rows} rows of "
+                                    f"{head_dim + 2} float32 and {need_counters} counters; given "
+                                    f"{0 if partial is None else partial.size} values, "
+                                    f"{0 if counters is None else counters.size} counters")
         f((n_tiles,), (threads,), (qkv_map, out, tiles, np.int32(heads), scale_log2,
                                    partial if pieces else np.uint64(0), counters if pieces else np.uint64(0),
                                    np.int32(first_piece)), shared_mem=smem)

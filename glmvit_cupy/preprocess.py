@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import GlmVitError
-from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, GlmVitGeometry
+from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, REAL, GlmVitGeometry
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -50,9 +50,9 @@ class ProcessorConfig:
     preprocessor_config.json, with its class defaults. (`size` and `patch_expand_factor` are
     accepted there too, and ignored by its resize and patchify alike.)"""
 
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
+    patch_size: int = REAL["patch_size"]  # the processor's defaults are the released tower's
+    temporal_patch_size: int = REAL["temporal_patch_size"]
+    merge_size: int = REAL["spatial_merge_size"]
     min_image_tokens: int = MIN_IMAGE_TOKENS
     max_image_tokens: int = MAX_IMAGE_TOKENS
     image_mean: tuple[float, float, float] = CLIP_MEAN
@@ -168,7 +168,7 @@ def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
                               "or the option")
 
 
-def smart_resize(height: int, width: int, *, factor: int = 28, temporal_factor: int = 2,
+def smart_resize(height: int, width: int, *, factor: int, temporal_factor: int,
                  min_image_tokens: int = MIN_IMAGE_TOKENS,
                  max_image_tokens: int = MAX_IMAGE_TOKENS) -> tuple[int, int]:
     """The aligned canvas (H, W) for one image, the oracle's binary search included."""

@@ -3,7 +3,9 @@
 This is the statement of what the GPU engine (`engine.py`) computes, step for step and
 under the same names, and what CI checks against transformers' `Glm5NextVisionModel`.
 Weights are the checkpoint's BF16 values widened to float32; every activation is float32.
-See ../shared/SPEC.md "The forward pass" for the numbered steps quoted below.
+The forward's steps, numbered in the comments below (and in engine.py): 1 the patch embed,
+2 block-major positions, 3 attention segments (one per image frame), 4 the axial RoPE tables,
+5 the blocks, 6 the post-layernorm, 7 the 2x2 downsample, 8 the merger.
 """
 
 from __future__ import annotations
@@ -12,22 +14,13 @@ from typing import Callable
 
 import numpy as np
 
-from .checkpoint import GlmVitTensors, TowerWeights, structure
+from .bf16 import bf16_to_f32
+from .checkpoint import TowerWeights
 from .geometry import GlmVitGeometry
 from .layout import block_major_positions, frame_segments, rope_inv_freq
+from .weights import GlmVitTensors, structure
 
 LAYERNORM_EPS = 1e-5  # the merger's nn.LayerNorm default, not config's rms_norm_eps
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """Widen raw BF16 bit patterns (uint16) to float32: BF16 is the top half of a float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -78,9 +71,8 @@ def qknorm_rope(x: np.ndarray, w: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
 
 
 # Host memory: the forward's widest intermediates are computed a block of rows at a time, so
-# that one image at the full token budget needs ~1.3 GB beyond the weights (measured: a
-# 4032x3024 photo, 31724 patches, real widths: peak RSS 1.27 GiB over weights and input)
-# instead of the ~16 GB that whole [L, L] score matrices took.
+# that one image at the full token budget needs ~1.3 GB beyond the weights (benchmarks/NOTES.md)
+# instead of the ~16 GB that whole [L, L] score matrices take.
 QUERY_BLOCK = 1024  # query rows of one head's scores: [1024, 32000] float32 is 131 MB
 ROW_BLOCK = 4096  # token rows through an MLP: [4096, 2 x 4096] float32 is 134 MB
 

@@ -32,8 +32,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .bf16 import bf16_to_f32
 from .errors import GlmVitError
-from .reference import bf16_to_f32
 from .staging import DTYPES
 from .writer import create_temp, fsync_dir, is_temp, write_atomic
 

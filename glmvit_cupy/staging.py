@@ -31,10 +31,10 @@ from typing import Sequence
 
 import numpy as np
 
+from .bf16 import f32_to_bf16_bits
 from .errors import GlmVitError
 from .layout import merged_offsets
 from .preprocess import ProcessorConfig, patchify, pixel_table
-from .reference import f32_to_bf16_bits
 
 DTYPES = {"bfloat16": (np.uint16, "BF16"), "float16": (np.float16, "F16"), "float32": (np.float32, "F32")}
 OUTPUT_NAMES = ("pooler_output", "last_hidden_state")

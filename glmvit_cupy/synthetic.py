@@ -19,21 +19,19 @@ from typing import Iterator
 
 import numpy as np
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, tower_shapes
+from .bf16 import f32_to_bf16_bits
+from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .errors import GlmVitError
-from .geometry import REAL, GlmVitGeometry, vision_config
-from .reference import f32_to_bf16_bits
+from .geometry import CONFIG_FILE, REAL, GlmVitGeometry, vision_config
+from .weights import BLOCK_TENSORS, tower_shapes
 from .writer import ITEMSIZE, atomic_directory, write_safetensors
 
 GEOMETRIES = {
     "real": GlmVitGeometry(**REAL),
     # Small enough for CI's CPU, shaped like the real tower (head_dim 64, every width a
     # multiple of 8 so the GPU engine runs it too).
-    "tiny": GlmVitGeometry(depth=2, hidden_size=128, num_heads=2, intermediate_size=256,
-                           in_channels=3, patch_size=14, temporal_patch_size=2,
-                           spatial_merge_size=2, out_hidden_size=256,
-                           projection_intermediate_size=512, rms_norm_eps=1e-5,
-                           swiglu_limit=10.0, rope_theta=10000.0),
+    "tiny": GlmVitGeometry(**{**REAL, "depth": 2, "hidden_size": 128, "num_heads": 2, "intermediate_size": 256,
+                              "out_hidden_size": 256, "projection_intermediate_size": 512}),
 }
 LAYOUTS = {
     # name: (tensor prefix, config model_type, sharded, decoys)
@@ -80,18 +78,24 @@ def _decoys(geo: GlmVitGeometry, decoy_bytes: int) -> list[tuple[str, str, list[
 
 
 def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real", seed: int = 0,
-                     layout: str = "full", decoy_bytes: int | None = None) -> Path:
-    """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`: all of it
-    or, on any failure (a full disk), nothing (writer.atomic_directory)."""
+                     layout: str = "full", decoy_bytes: int | None = None, replace: bool = False) -> Path:
+    """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`, or with
+    `replace` over a checkpoint directory there: all of it or, on any failure (a full disk),
+    nothing, the old one left as it was (writer.atomic_directory)."""
     geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise GlmVitError(f"{out}: exists and is not an empty directory; refusing to write a checkpoint there")
+        is_checkpoint = (out / CONFIG_FILE).is_file() and any((out / f).is_file() for f in (INDEX_FILE, SINGLE_FILE))
+        if not is_checkpoint or out.is_symlink():
+            raise GlmVitError(f"{out}: exists and is not an empty directory nor a checkpoint; refusing to "
+                              "write a checkpoint there")
+        if not replace:
+            raise GlmVitError(f"{out}: already holds a checkpoint; pass --force to replace it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise GlmVitError(f"{out}: cannot create directory {out.parent}: {exc.strerror}") from None
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, replace=replace) as tmp:
         _fill_checkpoint(tmp, geo, seed, layout, decoy_bytes)
     return out
 
@@ -126,7 +130,7 @@ def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, dec
 
     # Three shards: the tower split across the first two, each beside text-stack decoys, and a
     # third holding only text-stack tensors (the binder must not even open it).
-    half = (geo.depth // 2) * 14
+    half = (geo.depth // 2) * len(BLOCK_TENSORS)
     groups = [decoys[:3] + tower_specs[:half], tower_specs[half:] + decoys[3:5], decoys[5:]]
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0

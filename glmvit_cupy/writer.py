@@ -22,7 +22,7 @@ import struct
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator
 
-from .errors import GlmVitError
+from .errors import GlmVitError, InternalError
 
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
@@ -70,19 +70,22 @@ def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data:
         yield struct.pack("<Q", len(blob)) + blob
         for (name, _, _), chunk in zip(specs, data):
             begin, end = header[name]["data_offsets"]
-            assert memoryview(chunk).nbytes == end - begin, name
+            if memoryview(chunk).nbytes != end - begin:  # the header would lie about the bytes that follow
+                raise InternalError(f"{path}: {name} has {memoryview(chunk).nbytes} bytes of data, its header "
+                                    f"entry {end - begin}")
             yield chunk
 
     return write_file(path, chunks())
 
 
 @contextlib.contextmanager
-def atomic_directory(destination: Path) -> Iterator[Path]:
+def atomic_directory(destination: Path, replace: bool = False) -> Iterator[Path]:
     """A new empty directory beside `destination` (absent, or an empty directory, which the
-    rename replaces) to fill; renamed to `destination` when the block completes, removed with
-    its contents when it raises. An OSError (ENOSPC, EIO, ...) becomes a one-line GlmVitError."""
+    rename replaces; with `replace`, any directory, moved aside and removed once the new one is
+    in place) to fill; renamed to `destination` when the block completes, removed with its
+    contents when it raises. An OSError (ENOSPC, EIO, ...) becomes a one-line GlmVitError."""
     occupied = destination.exists() and (not destination.is_dir() or any(destination.iterdir()))
-    if destination.is_symlink() or occupied:
+    if destination.is_symlink() or (occupied and not (replace and destination.is_dir())):
         raise GlmVitError(f"{destination}: exists; refusing to write over it")
     parent = destination.parent
     if not parent.is_dir():
@@ -96,8 +99,18 @@ def atomic_directory(destination: Path) -> Iterator[Path]:
     try:
         yield tmp
         fsync_dir(tmp)
-        os.rename(tmp, destination)
+        old = _temp_path(parent, destination.name) if occupied else None
+        if old is not None:  # a temporary name: remove_stale_temps clears it if we die now
+            os.rename(destination, old)
+        try:
+            os.rename(tmp, destination)
+        except OSError:
+            if old is not None:  # the old directory goes back where it was
+                os.rename(old, destination)
+            raise
         fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise GlmVitError(f"{destination}: writing failed ({exc.strerror or exc}); nothing was left "

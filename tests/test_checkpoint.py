@@ -13,8 +13,9 @@ import pytest
 from safetensors import safe_open
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower, tower_shapes
+from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
 from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint
+from glmvit_cupy.weights import tower_shapes
 from glmvit_cupy.writer import write_safetensors
 
 
@@ -181,7 +182,7 @@ def test_same_seed_same_bytes_and_realistic_values(tmp_path):
     a = bind_checkpoint(write_checkpoint(tmp_path / "a", "tiny", seed=11))
     b = bind_checkpoint(write_checkpoint(tmp_path / "b", "tiny", seed=11))
     assert np.array_equal(a.arena, b.arena)
-    from glmvit_cupy.reference import bf16_to_f32
+    from glmvit_cupy.bf16 import bf16_to_f32
     w = bf16_to_f32(a.raw("blocks.0.attn.qkv.weight"))
     bias = bf16_to_f32(a.raw("blocks.0.attn.qkv.bias"))
     norm = bf16_to_f32(a.raw("blocks.0.norm1.weight"))

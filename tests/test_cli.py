@@ -48,6 +48,22 @@ def test_newcomer_flow_make_checkpoint_then_encode(tmp_path, pngs):
     assert emb.dtype == np.float32 and np.array_equal(emb, expected)
 
 
+def test_make_checkpoint_again_needs_force_and_never_touches_other_directories(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert run("make-checkpoint", str(ckpt), "--geometry", "tiny").returncode == 0
+    before = sorted(p.name for p in ckpt.iterdir())
+    assert_clean_failure(run("make-checkpoint", str(ckpt), "--geometry", "tiny"), "already holds a checkpoint", "--force")
+    again = run("make-checkpoint", str(ckpt), "--geometry", "tiny", "--seed", "5", "--force")
+    assert again.returncode == 0 and "seed 5" in again.stdout, again.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # the replaced one is gone, no temporary left
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "a.jpg").write_bytes(b"x")
+    assert_clean_failure(run("make-checkpoint", str(other), "--geometry", "tiny", "--force"), "nor a checkpoint")
+    assert [p.name for p in other.iterdir()] == ["a.jpg"]
+
+
 def test_auto_without_a_gpu_says_so(tmp_path, tiny_ckpt, pngs):
     from glmvit_cupy.model import gpu_available
 

@@ -16,16 +16,15 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from safetensors import deserialize
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy.checkpoint import DTYPE_BITS, MAX_HEADER_BYTES, bind_checkpoint, tower_shapes
-from glmvit_cupy.geometry import GlmVitGeometry
-from glmvit_cupy.reference import bf16_to_f32
+from glmvit_cupy.bf16 import bf16_to_f32
+from glmvit_cupy.checkpoint import DTYPE_BITS, MAX_HEADER_BYTES, bind_checkpoint
+from glmvit_cupy.geometry import REAL, GlmVitGeometry
 from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.weights import tower_shapes
 
 # A one-block tower of 90 KB, so that a fuzzed example costs milliseconds.
-GEO = GlmVitGeometry(depth=1, hidden_size=32, num_heads=1, intermediate_size=64, in_channels=3,
-                     patch_size=14, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
-                     projection_intermediate_size=128, rms_norm_eps=1e-5, swiglu_limit=10.0,
-                     rope_theta=10000.0)
+GEO = GlmVitGeometry(**{**REAL, "depth": 1, "hidden_size": 32, "num_heads": 1, "intermediate_size": 64,
+                        "out_hidden_size": 64, "projection_intermediate_size": 128})
 PREFIX = "model.language_model.visual."
 TARGET = PREFIX + "blocks.0.attn.qkv.weight"
 DECOY = "model.language_model.layers.0.mlp.experts.gate_up_proj.weight"  # U8, read by nobody
