@@ -85,12 +85,12 @@ class CupyRuntime:
     builds it on a worker thread while the checkpoint is read (CUDA context, module loads and
     cuBLAS's start-up take about as long as reading a 1.05 GiB tower from the page cache)."""
 
-    def __init__(self, device: int | None = None) -> None:
+    def __init__(self, device: int | None = None, kernels: str = "auto") -> None:
         self.device = cupy.cuda.Device(device)  # None: the caller's current device
         self.check_launches = check = check_launches()
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.kernels = Kernels(check)
+            self.kernels = Kernels(kernels, check)  # kernels: one of model.KERNELS
             self.blas = Cublas(self.stream, check)
 
 
@@ -100,10 +100,12 @@ class CupyTower:
     share one `TowerWeights`."""
 
     def __init__(self, weights: TowerWeights, p_max: int, attention: str = "auto",
-                 runtime: CupyRuntime | None = None, device: int | None = None) -> None:
-        runtime = runtime or CupyRuntime(device)
+                 runtime: CupyRuntime | None = None, device: int | None = None, kernels: str = "auto") -> None:
+        runtime = runtime or CupyRuntime(device, kernels)
         if device is not None and runtime.device.id != device:
             raise GlmVitError(f"cupy backend: the runtime is on device {runtime.device.id}, not {device}")
+        if kernels != "auto" and runtime.kernels.hopper != (kernels == "hopper"):
+            raise GlmVitError(f"cupy backend: the runtime's kernels are not the {kernels!r} ones asked for")
         self.device = runtime.device
         with self.device:
             self._init(weights, p_max, attention, runtime)
