@@ -37,6 +37,28 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# The GPU engine's kernel sets the gpu tests run (model.KERNELS but "auto"): the Hopper ones,
+# and the generic ones every other GPU runs, forced on an H200 with kernels="generic".
+KERNEL_SETS = ("hopper", "generic")
+
+
+def sm90() -> bool:
+    import cupy
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def available_kernel_sets() -> list[str]:
+    return [k for k in KERNEL_SETS if k != "hopper" or sm90()]
+
+
+def skip_unless_available(kernels: str) -> None:
+    """Skip a test of the Hopper kernels off sm_90."""
+    import pytest
+
+    if kernels not in available_kernel_sets():
+        pytest.skip("the Hopper kernels need sm_90")
+
+
 def transformers_tower(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
     """transformers' Glm5NextVisionModel holding the checkpoint's tower (the oracle)."""
     import torch
