@@ -59,6 +59,31 @@ def skip_unless_available(kernels: str) -> None:
         pytest.skip("the Hopper kernels need sm_90")
 
 
+def assert_close(got, ref, atol, rtol: float, what: str = "") -> None:
+    """Element-wise |got - ref| <= atol + rtol x |ref| (llm.c's check; atol a number or an array
+    broadcasting against ref), in float64; NaN in got fails. On failure the message names how
+    many elements are out, the first few (index, got, ref), the worst one (by how far past its
+    bound) and the whole array's relative Frobenius error."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape}, expected {ref.shape}"
+    bound = atol + rtol * np.abs(ref)
+    err = np.abs(got - ref)
+    bad = ~(err <= bound)
+    if not bad.any():
+        return
+    at = [tuple(int(i) for i in ix) for ix in np.argwhere(bad)[:5]]
+    worst = np.unravel_index(np.argmax(np.where(bad, np.nan_to_num(err - bound, nan=np.inf), -np.inf)), ref.shape)
+    worst = tuple(int(i) for i in worst)
+    lines = [f"{what}: {int(bad.sum())} of {bad.size} elements outside |got - ref| <= atol + {rtol:.3g} |ref| "
+             f"(relative Frobenius error {rel_err(np.nan_to_num(got), ref):.3e})"]
+    lines += [f"  at {i}: got {float(got[i])!r}, ref {float(ref[i])!r}, bound {np.broadcast_to(bound, ref.shape)[i]:.3g}"
+              for i in at]
+    lines.append(f"  worst at {worst}: got {float(got[worst])!r}, ref {float(ref[worst])!r}, "
+                 f"bound {np.broadcast_to(bound, ref.shape)[worst]:.3g}")
+    raise AssertionError("\n".join(lines))
+
+
 def transformers_tower(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
     """transformers' Glm5NextVisionModel holding the checkpoint's tower (the oracle)."""
     import torch
