@@ -365,15 +365,20 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, ke
     """Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.
 
     Forward only (preprocessing and the pixel upload excluded), median of CUDA-event timings
-    after warm-up. The ceiling is a BF16 8192^3 GEMM measured in the same process twice: in a
-    burst, and after 3 s of back-to-back GEMMs, when the board's power cap has lowered the
-    clock (on an H200 from ~1.98 to ~1.5 GHz).
+    after warm-up, on photo-like images (those of benchmarks/compare_transformers.py). The
+    ceiling is a BF16 8192^3 GEMM measured in the same process twice: in a burst, and after 3 s
+    of back-to-back GEMMs, when the board's power cap has lowered the clock (on an H200 from
+    ~1.98 to ~1.5 GHz). The first call is the case's shape cold (eager, no graph yet). Stages
+    (an eager run) are whole sublayers, summed over the blocks: patch_embed (with the RoPE
+    tables), attention_sublayer (norm, QKV GEMM, QK-norm + RoPE, attention, proj GEMM),
+    mlp_sublayer (norm, gate|up GEMM, SwiGLU, down GEMM), merger.
     """
     from glmvit_cupy import GlmVit, load_geometry, preprocess
     from glmvit_cupy.benchmark import cublas_peak, time_engine
     from glmvit_cupy.geometry import patch_budget
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
+    from glmvit_cupy.synthetic import photo_like
 
     ok, why = gpu_available()
     if not ok:
@@ -381,11 +386,9 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, ke
     import cupy
 
     directory = resolve_model(model_dir)
-    rng = np.random.default_rng(0)
-    cases = []
-    for size in sizes:
-        image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-        cases.append((size, preprocess([image] * batch)))
+    # The inputs of the committed numbers (benchmarks/compare_transformers.py): photo-like images,
+    # seeds 0.. within a batch; uniform noise has none of a photo's statistics.
+    cases = [(size, preprocess([photo_like(size, size, seed=i) for i in range(batch)])) for size in sizes]
     geo = load_geometry(directory)
     most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
     vit = GlmVit.from_pretrained(directory, backend="cupy", attention=attention, kernels=kernels,

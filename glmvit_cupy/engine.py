@@ -281,11 +281,11 @@ class CupyTower:
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
             self._attention(qkv, s.qkv_map, normed, segments, s.tiles, work)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
-            mark("attention")
+            mark("attention_sublayer")
             k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
             self._mlp(normed, resid, blk.gate_up_w, blk.gate_up_b, blk.down_w, s.mlp, accumulate=True,
                       maps=(s.normed_map, self.gate_up_maps[i]) if self.fused_mlp else None)
-            mark("mlp")
+            mark("mlp_sublayer")
         self._merger(p)
         mark("merger")
 

@@ -1,4 +1,4 @@
-"""Test helpers: photo-like images, tolerances, and the transformers oracle (test-only)."""
+"""Test helpers: tolerances, the kernel sets, and the transformers oracle (test-only)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from glmvit_cupy import synthetic
+
 PREFIX = "model.visual."
-
-
-def photo_like(height: int, width: int, seed: int = 0) -> np.ndarray:
-    """An HxWx3 uint8 image with the statistics of a photo: smooth gradients, soft blobs,
-    edges and sensor noise (not uniform noise, which no camera produces)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    y /= max(height - 1, 1)
-    x /= max(width - 1, 1)
-    img = np.empty((height, width, 3), np.float32)
-    for c in range(3):
-        a, b, d = rng.uniform(-1, 1, 3)
-        img[..., c] = 0.5 + 0.25 * (a * x + b * y) + 0.1 * np.sin(6.28 * (d * x + 2 * y))
-    for _ in range(6):
-        cy, cx, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.3)
-        blob = np.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * r * r))
-        img += blob[..., None] * rng.uniform(-0.4, 0.4, 3)
-    img[(x + 0.3 * y) % 0.37 < 0.02] *= 0.3  # a few hard edges
-    img += rng.normal(0, 0.02, img.shape)
-    return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
+photo_like = synthetic.photo_like  # the tests' images (and `glmvit-cupy bench`'s)
 
 
 def rel_err(a, b) -> float:

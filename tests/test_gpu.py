@@ -391,7 +391,8 @@ def test_cli_bench_reports_time_flops_peaks_and_stages(real_ckpt):
     assert patches == 2048 and abs(tflops - flops / ms / 1e9) <= 0.01 * tflops + 1
     assert abs(pct_burst - 100 * tflops / burst) <= 1 and abs(pct_sustained - 100 * tflops / sustained) <= 1
     stages = dict(item.split(" ") for item in line.group(6).split(", "))
-    assert list(stages) == ["patch_embed", "attention", "mlp", "merger"] and all(float(v) > 0 for v in stages.values())
+    assert list(stages) == ["patch_embed", "attention_sublayer", "mlp_sublayer", "merger"]
+    assert all(float(v) > 0 for v in stages.values())
 
 
 @pytest.mark.parametrize("hidden, heads", [(128, 2), (128, 4), (256, 2), (96, 3)])
