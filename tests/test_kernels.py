@@ -35,7 +35,9 @@ GEO = GlmVitGeometry(**REAL)
 
 @pytest.fixture(scope="module")
 def kernels():
-    """kernels(kind): a Kernels for 'auto', 'generic' or 'hopper' (skipping off sm_90), made once."""
+    """kernels(kind): a Kernels for 'auto', 'generic' or 'hopper' (skipping off sm_90), made once;
+    with per-launch checks where the process asks for them (the device check does)."""
+    from glmvit_cupy.faults import check_launches
     from glmvit_cupy.kernels import Kernels
 
     made = {}
@@ -44,7 +46,7 @@ def kernels():
         if kind != "auto":
             skip_unless_available(kind)
         if kind not in made:
-            made[kind] = Kernels(kind)
+            made[kind] = Kernels(kind, check_launches())
         return made[kind]
     return get
 
