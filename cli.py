@@ -20,6 +20,7 @@ import numpy as np
 
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
+from glmvit_cupy.model import KERNELS
 from glmvit_cupy.pipeline import DEFAULT_WORKERS, OUTPUTS
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.staging import DTYPES
@@ -359,21 +360,28 @@ def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> N
 @click.option("--attention", type=click.Choice(["flash", "naive"]), default=None,
               help="flash: the fused kernel; naive: materialised scores (the cross-check). "
                    "[default: the engine's choice, flash where the head_dim has a flash kernel]")
+@click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
+              help="auto: the Hopper kernels on sm_90, else the generic ones; generic or hopper forces a set.")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per case.")
 @user_errors
-def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, iters: int) -> None:
+def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, kernels: str, iters: int) -> None:
     """Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.
 
     Forward only (preprocessing and the pixel upload excluded), median of CUDA-event timings
-    after warm-up. The ceiling is a BF16 8192^3 GEMM measured in the same process twice: in a
-    burst, and after 3 s of back-to-back GEMMs, when the board's power cap has lowered the
-    clock (on an H200 from ~1.98 to ~1.5 GHz).
+    after warm-up, on photo-like images (those of benchmarks/compare_transformers.py). The
+    ceiling is a BF16 8192^3 GEMM measured in the same process twice: in a burst, and after 3 s
+    of back-to-back GEMMs, when the board's power cap has lowered the clock (on an H200 from
+    ~1.98 to ~1.5 GHz). The first call is the case's shape cold (eager, no graph yet). Stages
+    (an eager run) are whole sublayers, summed over the blocks: patch_embed (with the RoPE
+    tables), attention_sublayer (norm, QKV GEMM, QK-norm + RoPE, attention, proj GEMM),
+    mlp_sublayer (norm, gate|up GEMM, SwiGLU, down GEMM), merger.
     """
     from glmvit_cupy import GlmVit, load_geometry, preprocess
     from glmvit_cupy.benchmark import cublas_peak, time_engine
     from glmvit_cupy.geometry import patch_budget
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
+    from glmvit_cupy.synthetic import photo_like
 
     ok, why = gpu_available()
     if not ok:
@@ -381,19 +389,17 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, it
     import cupy
 
     directory = resolve_model(model_dir)
-    rng = np.random.default_rng(0)
-    cases = []
-    for size in sizes:
-        image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-        cases.append((size, preprocess([image] * batch)))
+    # The inputs of the committed numbers (benchmarks/compare_transformers.py): photo-like images,
+    # seeds 0.. within a batch; uniform noise has none of a photo's statistics.
+    cases = [(size, preprocess([photo_like(size, size, seed=i) for i in range(batch)])) for size in sizes]
     geo = load_geometry(directory)
     most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
-    vit = GlmVit.from_pretrained(directory, backend="cupy", attention=attention,
+    vit = GlmVit.from_pretrained(directory, backend="cupy", attention=attention, kernels=kernels,
                                  max_pixels=max(most, patch_budget(geo)) * geo.patch_size ** 2)
     peak = cublas_peak()
     click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak.burst:.0f} TFLOP/s in a burst, {peak.sustained:.0f} "
                f"sustained; scratch {vit.scratch_bytes / 2**20:.0f} MiB for p_max {vit.p_max}; "
-               f"attention {vit.tower.attention_kind}")
+               f"attention {vit.tower.attention_kind}; kernels {'hopper' if vit.tower.k.hopper else 'generic'}")
     for size, (pixels, grid) in cases:
         t = time_engine(vit, cupy.asarray(pixels), grid, iters=iters)
         stages = ", ".join(f"{k} {v:.2f}" for k, v in t.stages_ms.items())

@@ -5,14 +5,17 @@ An H200 holds tensor-core work at its 700 W cap by lowering the SM clock (1.98 G
 burst, 1.5-1.6 GHz under sustained load), so a cuBLAS peak measured in a burst overstates
 what any engine keeps up for a whole forward. This script measures, in one process:
 - the cuBLAS BF16 8192^3 peak, in a burst and sustained (benchmark.cublas_peak);
-- per case, every GEMM of the forward (patch embed; per block qkv, proj, gate|up, down; the
-  merger's downsample, proj, gate|up, down) through cuBLAS alone, in forward order, on the
-  engine's own weights and on operands taken from a real forward of that case, captured as
-  one CUDA graph; and our whole forward. Each is replayed back-to-back for --sustain-s
-  before its CUDA-event timings (benchmark.sustained_ms), in alternating order over rounds.
-Our time minus the GEMMs' is what attention, norms and RoPE cost at best (our gate|up is a
-fused GEMM + SwiGLU; here it is cuBLAS's plain GEMM), and the GEMMs' time is a floor no
-engine built on cuBLAS-class GEMMs goes under.
+- per case (compare_transformers.py's photo-like images), every GEMM of the forward (patch
+  embed; per block qkv, proj, gate|up, down; the merger's downsample, proj, gate|up, down)
+  through cuBLAS alone, in forward order, on the engine's own weights, at the engine's own
+  shapes (the MLPs' GEMMs in its row chunks) and on each GEMM's own operands, copied at the
+  moment of its call during an eager forward of the case (GemmRecorder), captured as one
+  CUDA graph; and our whole forward. Each is replayed back-to-back for --sustain-s before its
+  CUDA-event timings (benchmark.sustained_ms), in alternating order over rounds.
+Our time minus the GEMMs' is everything else the forward does: the attention, every norm,
+RoPE, SwiGLU and conversion pass (on Hopper our gate|up is a fused GEMM + SwiGLU; here it is
+cuBLAS's plain GEMM over the same rows). The GEMMs' time is a floor no engine built on
+cuBLAS-class GEMMs goes under.
 
     python benchmarks/gemm_floor.py --model CKPT --out benchmarks/results/h200-gemm-floor.json
 """
@@ -28,50 +31,72 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from glmvit_cupy import GlmVit
+from glmvit_cupy import GlmVit, preprocess
 from glmvit_cupy.benchmark import attention_flops, cublas_peak, forward_flops, sustained_ms
+from glmvit_cupy.synthetic import photo_like
 
-CASES = {"448": [[1, 32, 32]], "1036": [[1, 74, 74]], "2044": [[1, 146, 146]], "8x448": [[1, 32, 32]] * 8,
-         "32x448": [[1, 32, 32]] * 32}
+CASES = {"448": [(448, 448)], "1036": [(1036, 1036)], "2044": [(2044, 2044)], "8x448": [(448, 448)] * 8,
+         "32x448": [(448, 448)] * 32}  # compare_transformers.py's cases, the same photo-like images
 
 
-def gemm_graph(tower, p: int) -> tuple[cupy.cuda.graph.Graph, list[cupy.ndarray]]:
-    """The forward's GEMMs for p patches as one graph on the tower's stream, and the buffers it
-    reads and writes (kept alive by the caller). Call after a forward of p patches:
-    its scratch holds the operands (normalised rows, the merger's inputs)."""
-    geo, s, k, blas, w = tower.geo, tower.scratch, tower.k, tower.blas, tower.w
-    h, inter, o, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
-    m = p // geo.merge_unit
-    bf16 = cupy.uint16
+class GemmRecorder:
+    """Stands in for a tower's cuBLAS wrapper (`blas`) and kernels (`k`) during one eager forward:
+    each GEMM's activation operand is copied on the tower's stream at the moment of its call, so
+    later passes cannot overwrite it, with its weight, output shape and accumulate flag; then the
+    real call runs. The fused gate|up + SwiGLU kernel (Hopper) is recorded as the cuBLAS gate|up
+    GEMM over the same rows that it stands for. Every other kernel passes through."""
+
+    def __init__(self, tower) -> None:
+        self.tower, self.blas, self.k = tower, tower.blas, tower.k
+        self.calls: list[tuple[cupy.ndarray, cupy.ndarray, tuple[int, ...], np.dtype, bool]] = []
+
+    def linear(self, out: cupy.ndarray, x: cupy.ndarray, w: cupy.ndarray, accumulate: bool = False) -> None:
+        self.calls.append((copy_rows(x), w, out.shape, out.dtype, accumulate))
+        self.blas.linear(out, x, w, accumulate=accumulate)
+
+    def gemm_swiglu(self, x_map, w_map, bias, act, row0: int, k: int, limit: float) -> None:
+        tower, s = self.tower, self.tower.scratch
+        x = s.normed if x_map.data.ptr == s.normed_map.data.ptr else s.merge_y  # the maps _mlp passes
+        weights = [blk.gate_up_w for blk in tower.w.blocks] + [tower.w.merger.gate_up_w]  # gate_up_maps' order
+        w = weights[(w_map.data.ptr - tower.gate_up_maps.data.ptr) // tower.gate_up_maps.strides[0]]
+        rows, inter = act.shape
+        self.calls.append((copy_rows(x[row0:row0 + rows]), w, (rows, 2 * inter), np.dtype(np.uint16), False))
+        self.k.gemm_swiglu(x_map, w_map, bias, act, row0, k, limit)
+
+    def __getattr__(self, name: str):
+        return getattr(self.k if hasattr(self.k, name) else self.blas, name)
+
+
+def copy_rows(x: cupy.ndarray) -> cupy.ndarray:
+    """A copy of a 2-D operand with its row stride kept (the down GEMM reads the act half of a
+    gate|up chunk, rows 2 x inter apart), so the GEMM replays with the engine's leading dimension."""
+    ld = x.strides[0] // x.itemsize
+    full = cupy.empty((x.shape[0], ld), x.dtype)
+    full[:, :x.shape[1]] = x
+    return full[:, :x.shape[1]]
+
+
+def gemm_graph(tower, pixels: cupy.ndarray, grid: np.ndarray) -> tuple[cupy.cuda.graph.Graph, list]:
+    """The GEMMs of one forward of these inputs, in forward order at the engine's own shapes (the
+    MLPs' in its row chunks), on the operands that forward gave them, captured as one graph on
+    the tower's stream; and the buffers it reads and writes (kept alive by the caller). Outputs
+    go to one dead buffer per shape: what the GEMMs write is never read."""
+    recorder = GemmRecorder(tower)
+    tower.blas, tower.k = recorder, recorder
+    try:
+        tower.forward(pixels, grid, marks=lambda stage: None)  # marks: always eager, so every call is made
+    finally:
+        tower.blas, tower.k = recorder.blas, recorder.k
+    outs: dict[tuple, cupy.ndarray] = {}
     with tower.stream:
-        pixels = cupy.empty((p, geo.patch_dim), bf16)
-        k.f32_to_bf16(cupy.random.default_rng(0).standard_normal((p, geo.patch_dim), dtype=cupy.float32), pixels)
-        x, merge_a, merge_in, merge_y = (a.copy() for a in (s.normed[:p], s.merge_a[:m], s.last_hidden_bf16[:m],
-                                                            s.merge_y[:m]))
-        resid, qkv = cupy.zeros((p, h), cupy.float32), cupy.empty((p, 3 * h), bf16)
-        gate_up, merge_gate_up = cupy.empty((p, 2 * inter), bf16), cupy.empty((m, 2 * pi), bf16)
-        last_hidden, pooler = cupy.empty((m, o), cupy.float32), cupy.empty((m, o), cupy.float32)
-        # act operands as the forward makes them: a SwiGLU of this gate|up product
-        blas.linear(gate_up, x, w.blocks[-1].gate_up_w)
-        k.swiglu_clamp(gate_up, w.blocks[-1].gate_up_b, geo.swiglu_limit)
-        act = gate_up[:, :inter].copy()
-        blas.linear(merge_gate_up, merge_y, w.merger.gate_up_w)
-        k.swiglu_clamp(merge_gate_up, None, geo.swiglu_limit)
-        merge_act = merge_gate_up[:, :pi].copy()
+        for _, _, shape, dtype, _ in recorder.calls:
+            if (shape, dtype) not in outs:
+                outs[shape, dtype] = cupy.zeros(shape, dtype)
         tower.stream.begin_capture()
-        blas.linear(resid, pixels, w.patch_embed_w)
-        for blk in w.blocks:
-            blas.linear(qkv, x, blk.qkv_w)
-            blas.linear(resid, x, blk.proj_w, accumulate=True)
-            blas.linear(gate_up, x, blk.gate_up_w)
-            blas.linear(resid, act, blk.down_w, accumulate=True)
-        blas.linear(last_hidden, merge_a, w.merger.downsample_w)
-        blas.linear(pooler, merge_in, w.merger.proj_w)
-        blas.linear(merge_gate_up, merge_y, w.merger.gate_up_w)
-        blas.linear(pooler, merge_act, w.merger.down_w)
+        for x, w, shape, dtype, accumulate in recorder.calls:
+            tower.blas.linear(outs[shape, dtype], x, w, accumulate=accumulate)
         graph = tower.stream.end_capture()
-    return graph, [pixels, x, merge_a, merge_in, merge_y, resid, qkv, gate_up, merge_gate_up, last_hidden, pooler,
-                   act, merge_act]
+    return graph, [recorder.calls, outs]
 
 
 def main() -> None:
@@ -88,12 +113,11 @@ def main() -> None:
     peak = cublas_peak()
     records = []
     for name in args.cases:
-        grid = np.array(CASES[name], dtype=np.int64)
-        p = int(grid.prod(axis=1).sum())
-        pixels = cupy.asarray(np.random.default_rng(0).standard_normal((p, 1176), dtype=np.float32))
+        host_pixels, grid = preprocess([photo_like(h, w, seed=i) for i, (h, w) in enumerate(CASES[name])])
+        p, pixels = len(host_pixels), cupy.asarray(host_pixels)
         for _ in range(3):  # eager, capture, replay
             tower.forward(pixels, grid)
-        graph, _keep = gemm_graph(tower, p)
+        graph, _keep = gemm_graph(tower, pixels, grid)
         runs = {"gemms": lambda: graph.launch(tower.stream), "ours": lambda: tower.forward(pixels, grid)}
         times: dict[str, list[float]] = {key: [] for key in runs}
         for r in range(args.rounds):
@@ -106,7 +130,7 @@ def main() -> None:
         record = dict(case=name, patches=p, ours_ms=round(ours, 3), gemms_ms=round(gemms, 3),
                       ours_tflops=round(total / ours / 1e9, 1), gemms_tflops=round(gemm_flops / gemms / 1e9, 1),
                       gemm_share_of_flops=round(gemm_flops / total, 3), rest_ms=round(ours - gemms, 3),
-                      rest_gflop=round(attention / 1e9, 1),
+                      attention_gflop=round(attention / 1e9, 1),
                       rounds_ms={key: [round(t, 3) for t in v] for key, v in times.items()})
         records.append(record)
         print(json.dumps(record), flush=True)
@@ -118,12 +142,12 @@ def main() -> None:
              f"{env['cublas_peak_burst_tflops']} TFLOP/s in a burst, {env['cublas_peak_sustained_tflops']} "
              f"sustained; every timing after {args.sustain_s} s of back-to-back replays", "",
              "| case | ours ms (TFLOP/s) | GEMMs alone ms (TFLOP/s) | GEMMs' share of FLOPs | GEMMs' share of our time "
-             "| ours minus GEMMs: ms for the attention's GFLOP |",
+             "| ours minus GEMMs, ms: the attention (its GFLOP) and every norm, RoPE, SwiGLU and conversion pass |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in records:
         lines.append(f"| {r['case']} | {r['ours_ms']:.2f} ({r['ours_tflops']:.0f}) | {r['gemms_ms']:.2f} "
                      f"({r['gemms_tflops']:.0f}) | {100 * r['gemm_share_of_flops']:.0f}% | "
-                     f"{100 * r['gemms_ms'] / r['ours_ms']:.0f}% | {r['rest_ms']:.2f} for {r['rest_gflop']:.0f} |")
+                     f"{100 * r['gemms_ms'] / r['ours_ms']:.0f}% | {r['rest_ms']:.2f} (attention {r['attention_gflop']:.0f}) |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(env=env, records=records), indent=1) + "\n")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -32,6 +32,14 @@ using namespace attn;
 constexpr int BM = 128;   // queries per CTA
 constexpr int BN = 64;    // keys per pipeline stage
 constexpr int THREADS = 128;
+// Q's fragments stay in registers for the whole key loop where they fit: sm_100 and sm_120
+// allocate more registers to the same loop (255, the per-thread cap, and spills), so there
+// they are read again from shared memory at each k16 step (sQ is never overwritten).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr bool Q_IN_REGISTERS = false;
+#else
+constexpr bool Q_IN_REGISTERS = true;
+#endif
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -69,7 +77,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
     load_tile<BN, HD, THREADS>(sV, w.v, w.ld, min(BN, w.seg_len));
     cp_async_commit();
 
-    unsigned qf[MT][KQ][4];
+    unsigned qf[MT][Q_IN_REGISTERS ? KQ : 1][4];
     float o[MT][NO][4];
     float m_run[MT][2], l_run[MT][2];  // per m-tile: rows g and g + 8
     #pragma unroll
@@ -91,7 +99,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
         cp_async_wait<1>();  // everything but the prefetch just issued has landed
         __syncthreads();
 
-        if (kt == 0) {  // Q fragments, once: rows warp*32 + mt*16 + (lane & 15), chunk 2*ks + lane/16
+        if (Q_IN_REGISTERS && kt == 0) {  // Q fragments, once: rows warp*32 + mt*16 + (lane & 15), chunk 2*ks + lane/16
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
@@ -108,17 +116,24 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ qkv, bf
             #pragma unroll
             for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
         #pragma unroll
-        for (int ks = 0; ks < KQ; ++ks)
+        for (int ks = 0; ks < KQ; ++ks) {
+            const int qs = Q_IN_REGISTERS ? ks : 0;
+            if (!Q_IN_REGISTERS) {
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldmatrix_x4(qf[mt][0], sQ + swz<HD>(warp * 32 + mt * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+            }
             #pragma unroll
             for (int n = 0; n < NS; n += 2) {
                 unsigned b[4];
                 ldmatrix_x4(b, k_tile + swz<HD>(n * 8 + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_bf16(s[mt][n], qf[mt][ks], b[0], b[1]);
-                    mma_bf16(s[mt][n + 1], qf[mt][ks], b[2], b[3]);
+                    mma_bf16(s[mt][n], qf[mt][qs], b[0], b[1]);
+                    mma_bf16(s[mt][n + 1], qf[mt][qs], b[2], b[3]);
                 }
             }
+        }
 
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {

@@ -96,10 +96,13 @@ def cublas_peak(n: int = 8192, seconds: float = 3.0) -> CublasPeak:
 
 @dataclasses.dataclass
 class EngineTiming:
-    first_call_ms: float  # warm-up: a new shape (scratch on the very first image, eager run)
+    first_call_ms: float  # a new shape, cold: eager, host tables built (and the scratch on the very first image)
     median_ms: float  # after warm-up: the captured graph replayed
     tflops: float
-    stages_ms: dict[str, float]  # eager run with an event after every stage, summed per stage
+    # eager run with an event after every stage, summed per stage over the blocks: patch_embed (and
+    # the RoPE tables), attention_sublayer (norm1 through the proj GEMM), mlp_sublayer (norm2
+    # through the down GEMM), merger
+    stages_ms: dict[str, float]
 
 
 def time_engine(vit, pixels, grid_thw: np.ndarray, iters: int = 20) -> EngineTiming:

@@ -1,5 +1,5 @@
 """BF16 as its 16-bit pattern: NumPy has no bfloat16, so weights, outputs and GPU operands
-travel as uint16 bits; these two conversions are the only place the bits are computed.
+travel as uint16 bits; these conversions are the only place the bits are computed.
 
 BF16 is the top half of a float32, so widening is a shift; narrowing rounds to the nearest
 BF16, ties to even, as the GPU's __float2bfloat16 does. Both take NumPy or CuPy arrays (they
@@ -22,3 +22,8 @@ def f32_to_bf16_bits(x: Any) -> Any:
     """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns."""
     u = x.astype(np.float32, copy=False).view(np.uint32)
     return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+
+
+def bf16_round(x: Any) -> Any:
+    """float32 values rounded to the nearest BF16 (ties to even), as float32."""
+    return bf16_to_f32(f32_to_bf16_bits(x))

@@ -65,12 +65,12 @@ class CupyRuntime:
     builds it on a worker thread while the checkpoint is read (CUDA context, module loads and
     cuBLAS's start-up take about as long as reading a 1.05 GiB tower from the page cache)."""
 
-    def __init__(self, device: int | None = None) -> None:
+    def __init__(self, device: int | None = None, kernels: str = "auto") -> None:
         self.device = cupy.cuda.Device(device)  # None: the caller's current device
         self.check_launches = check = check_launches()
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.kernels = Kernels(check)
+            self.kernels = Kernels(kernels, check)  # kernels: one of model.KERNELS
             self.blas = Cublas(self.stream, check)
 
 
@@ -80,10 +80,12 @@ class CupyTower:
     share one `TowerWeights`."""
 
     def __init__(self, weights: TowerWeights, p_max: int, attention: str = "auto",
-                 runtime: CupyRuntime | None = None, device: int | None = None) -> None:
-        runtime = runtime or CupyRuntime(device)
+                 runtime: CupyRuntime | None = None, device: int | None = None, kernels: str = "auto") -> None:
+        runtime = runtime or CupyRuntime(device, kernels)
         if device is not None and runtime.device.id != device:
             raise GlmVitError(f"cupy backend: the runtime is on device {runtime.device.id}, not {device}")
+        if kernels != "auto" and runtime.kernels.hopper != (kernels == "hopper"):
+            raise GlmVitError(f"cupy backend: the runtime's kernels are not the {kernels!r} ones asked for")
         self.device = runtime.device
         with self.device:
             self._init(weights, p_max, attention, runtime)
@@ -260,11 +262,11 @@ class CupyTower:
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
             self._attention(qkv, s.qkv_map, normed, segments, s.tiles, work)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
-            mark("attention")
+            mark("attention_sublayer")
             k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
             self._mlp(normed, resid, blk.gate_up_w, blk.gate_up_b, blk.down_w, s.mlp, accumulate=True,
                       maps=(s.normed_map, self.gate_up_maps[i]) if self.fused_mlp else None)
-            mark("mlp")
+            mark("mlp_sublayer")
         self._merger(p)
         mark("merger")
 

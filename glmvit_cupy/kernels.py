@@ -23,7 +23,7 @@ import cupy
 import numpy as np
 
 from . import flash
-from .errors import InternalError
+from .errors import GlmVitError, InternalError
 from .faults import Checked
 from .kernel_source import constants, cuda_source_dir, load_source, required_arch
 
@@ -75,11 +75,16 @@ def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
 class Kernels:
     """Every kernel the engine launches, compiled at construction."""
 
-    def __init__(self, check_launches: bool = False) -> None:
+    def __init__(self, kernels: str = "auto", check_launches: bool = False) -> None:
         # Hopper runs the wgmma flash kernel and the fused gate|up GEMM; every other GPU the
-        # mma.sync flash kernel and cuBLAS + swiglu_clamp.
+        # mma.sync flash kernel and cuBLAS + swiglu_clamp. kernels="generic" runs the latter on
+        # Hopper too (model.KERNELS), so the path of every other GPU is tested on an H200.
         device = cupy.cuda.Device()
-        self.hopper = device.compute_capability == "90"
+        sm90 = device.compute_capability == "90"
+        if kernels == "hopper" and not sm90:
+            raise GlmVitError(f"kernels 'hopper' need an sm_90 GPU, this one is sm_{device.compute_capability}: "
+                              "use 'auto' or 'generic'")
+        self.hopper = sm90 and kernels != "generic"
         self._flash_module = flash.SM90 if self.hopper else flash.GENERIC
         flash.check_sources(cuda_source_dir())
         self.flash_bms = flash.BMS[self._flash_module]

@@ -37,6 +37,10 @@ from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_process
                          with_settings)
 
 BACKENDS = ("auto", "numpy", "cupy")
+# The GPU engine's kernel sets: auto takes the Hopper ones (wgmma flash attention, the fused
+# gate|up GEMM + SwiGLU) on sm_90, else the generic ones (mma.sync flash attention, cuBLAS +
+# swiglu_clamp), which run on any GPU from sm_80; naming one forces it (the tests run both).
+KERNELS = ("auto", "generic", "hopper")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +99,12 @@ def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -
         raise GlmVitError(f"{name} is a {type(value).__name__}, expected {expected}")
 
 
-def _check_options(max_pixels: Any, attention: Any, device: Any) -> None:
+def _check_options(max_pixels: Any, attention: Any, device: Any, kernels: Any) -> None:
     for name, value in (("max_pixels", max_pixels), ("device", device)):
         _check_type(name, value, (int, type(None)), "an int or None")
     _check_type("attention", attention, (str, type(None)), "'flash', 'naive' or None")
+    if kernels not in KERNELS:
+        raise GlmVitError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
 
 
 def _refuse_nonfinite(out: GlmVitOutput, labels: Sequence[str], xp: Any) -> None:
@@ -144,17 +150,17 @@ class GlmVit:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
-                        attention: str | None = None, device: int | None = None,
+                        attention: str | None = None, device: int | None = None, kernels: str = "auto",
                         **processor_settings: Any) -> GlmVit:
         """Bind the tower in `path`: a checkpoint directory, or a Hugging Face repo id
         (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels`
         is the pixel budget of one forward call (all images together) and sizes the GPU
         scratch; `attention` ("flash" or "naive", the materialised-score cross-check; default:
-        the engine's choice for the head_dim) and `device` (a CUDA device index; default: the
-        current one) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
+        the engine's choice for the head_dim), `device` (a CUDA device index; default: the
+        current one) and `kernels` (one of KERNELS) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
         leaves one alone) override the checkpoint's preprocessor_config.json."""
         _check_type("path", path, (str, os.PathLike), "a checkpoint directory or a repo id (str or Path)")
-        _check_options(max_pixels, attention, device)  # before the tower is read
+        _check_options(max_pixels, attention, device, kernels)  # before the tower is read
         backend, note = _choose_backend(backend)
         directory = resolve_model(path)
         processor, _ = processor_config(directory, **processor_settings)
@@ -162,20 +168,20 @@ class GlmVit:
             return cls.from_weights(bind_checkpoint(directory), "numpy", max_pixels, note=note, processor=processor)
         from .engine import CupyRuntime
         with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
-            runtime = pool.submit(CupyRuntime, device)
+            runtime = pool.submit(CupyRuntime, device, kernels)
             weights = bind_checkpoint(directory)
             return cls.from_weights(weights, "cupy", max_pixels, attention, runtime=runtime.result(), note=note,
-                                    processor=processor)
+                                    processor=processor, kernels=kernels)
 
     @classmethod
     def from_weights(cls, weights: TowerWeights, backend: str = "auto", max_pixels: int | None = None,
                      attention: str | None = None, device: int | None = None, runtime: Any = None,
-                     note: str = "", processor: ProcessorConfig | None = None) -> GlmVit:
+                     note: str = "", processor: ProcessorConfig | None = None, kernels: str = "auto") -> GlmVit:
         """An engine over weights already bound (`checkpoint.bind_checkpoint`): several engines,
         with their own budgets and devices, can share one read of the tower. `processor`
         defaults to the settings of the checkpoint's own directory (`processor_config`)."""
         _check_type("weights", weights, (TowerWeights,), "TowerWeights (checkpoint.bind_checkpoint)")
-        _check_options(max_pixels, attention, device)
+        _check_options(max_pixels, attention, device, kernels)
         backend, auto_note = _choose_backend(backend)
         p_max = patch_budget(weights.location.geometry, max_pixels)
         if processor is None:
@@ -186,7 +192,7 @@ class GlmVit:
             return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint, processor)
         from .engine import CupyTower
         options = {} if attention is None else {"attention": attention}
-        tower = CupyTower(weights, p_max, runtime=runtime, device=device, **options)
+        tower = CupyTower(weights, p_max, runtime=runtime, device=device, kernels=kernels, **options)
         return cls(tower, "cupy", note or auto_note, fingerprint, processor)
 
     @property

@@ -6,6 +6,9 @@ Weights are the checkpoint's BF16 values widened to float32; every activation is
 The forward's steps, numbered in the comments below (and in engine.py): 1 the patch embed,
 2 block-major positions, 3 attention segments (one per image frame), 4 the axial RoPE tables,
 5 the blocks, 6 the post-layernorm, 7 the 2x2 downsample, 8 the merger.
+`gemm_inputs=bf16_round` makes it the GPU engine's same-precision baseline: every GEMM's
+activation operand rounded to BF16 (the weights already are), residual stream and
+accumulation still float32. The GPU tests hold the engine to a multiple of that error.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from .layout import block_major_positions, frame_segments, rope_inv_freq
 from .weights import GlmVitTensors, structure
 
 LAYERNORM_EPS = 1e-5  # the merger's nn.LayerNorm default, not config's rms_norm_eps
+
+
+def _exact(x: np.ndarray) -> np.ndarray:
+    return x
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -78,10 +85,10 @@ ROW_BLOCK = 4096  # token rows through an MLP: [4096, 2 x 4096] float32 is 134 M
 
 
 def segment_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.ndarray,
-                      block: int) -> np.ndarray:
+                      block: int, gemm_inputs: Callable[[np.ndarray], np.ndarray] = _exact) -> np.ndarray:
     """softmax(q k^T / sqrt(hd)) v within each segment, head by head and `block` query rows at
     a time (each row's softmax is its own: blocking changes only the GEMMs' summation order).
-    q, k, v: [P, heads, hd]."""
+    q, k, v: [P, heads, hd]; gemm_inputs rounds the probabilities, the P.V GEMM's operand."""
     out = np.empty_like(q)
     scale = np.float32(q.shape[-1] ** -0.5)
     for start, length in segments.tolist():
@@ -96,7 +103,7 @@ def segment_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, segments: np.
                 scores -= scores.max(axis=-1, keepdims=True)
                 np.exp(scores, out=scores)
                 scores /= scores.sum(axis=-1, keepdims=True)
-                out[rows, head] = scores @ values
+                out[rows, head] = gemm_inputs(scores) @ values
     return out
 
 
@@ -114,43 +121,50 @@ def im2col_2x2(x: np.ndarray) -> np.ndarray:
 
 
 class NumpyTower:
-    """The whole tower in float32 NumPy; `forward` returns (last_hidden_state, pooler_output)."""
+    """The whole tower in float32 NumPy; `forward` returns (last_hidden_state, pooler_output).
+    `gemm_inputs` is applied to every GEMM's activation operand (bf16_round: the engine's
+    same-precision baseline; default: left exact)."""
 
-    def __init__(self, weights: TowerWeights, p_max: int) -> None:
+    def __init__(self, weights: TowerWeights, p_max: int,
+                 gemm_inputs: Callable[[np.ndarray], np.ndarray] = _exact) -> None:
         self.geo: GlmVitGeometry = weights.location.geometry
         self.p_max = p_max  # the packing budget of encode (the NumPy forward needs no scratch)
         self.w: GlmVitTensors[np.ndarray] = structure(weights, bf16_to_f32)
         self.inv_freq = rope_inv_freq(self.geo)
+        self.gemm_inputs = gemm_inputs
 
     def attention(self, x: np.ndarray, blk, cos, sin, segments) -> np.ndarray:
         geo = self.geo
-        qkv = (x @ blk.qkv_w.T + blk.qkv_b).reshape(len(x), 3, geo.num_heads, geo.head_dim)
+        r = self.gemm_inputs
+        qkv = (r(x) @ blk.qkv_w.T + blk.qkv_b).reshape(len(x), 3, geo.num_heads, geo.head_dim)
         q = qknorm_rope(qkv[:, 0], blk.q_norm_w, cos, sin, geo.rms_norm_eps)
         k = qknorm_rope(qkv[:, 1], blk.k_norm_w, cos, sin, geo.rms_norm_eps)
-        o = segment_attention(q, k, qkv[:, 2], segments, QUERY_BLOCK)
-        return o.reshape(len(x), -1) @ blk.proj_w.T + blk.proj_b
+        o = segment_attention(r(q), r(k), r(qkv[:, 2]), segments, QUERY_BLOCK, r)
+        return r(o.reshape(len(x), -1)) @ blk.proj_w.T + blk.proj_b
 
     def mlp(self, x: np.ndarray, blk) -> np.ndarray:
+        r = self.gemm_inputs
+
         def rows(x: np.ndarray) -> np.ndarray:
-            act = swiglu_clamp(x @ blk.gate_up_w.T + blk.gate_up_b, self.geo.swiglu_limit)
-            return act @ blk.down_w.T + blk.down_b
+            act = swiglu_clamp(r(x) @ blk.gate_up_w.T + blk.gate_up_b, self.geo.swiglu_limit)
+            return r(act) @ blk.down_w.T + blk.down_b
         return by_rows(rows, x, ROW_BLOCK)
 
     def merger(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        m, geo = self.w.merger, self.geo
+        m, geo, r = self.w.merger, self.geo, self.gemm_inputs
         x = rmsnorm(x, m.post_layernorm_w, geo.rms_norm_eps)  # step 6
-        last_hidden = im2col_2x2(x) @ m.downsample_w.T + m.downsample_b  # step 7
+        last_hidden = r(im2col_2x2(x)) @ m.downsample_w.T + m.downsample_b  # step 7
 
         def rows(h: np.ndarray) -> np.ndarray:  # step 8 (gelu_erf works in float64)
-            y = gelu_erf(layernorm(h @ m.proj_w.T, m.norm_w, m.norm_b, LAYERNORM_EPS))
-            return swiglu_clamp(y @ m.gate_up_w.T, geo.swiglu_limit) @ m.down_w.T
+            y = gelu_erf(layernorm(r(h) @ m.proj_w.T, m.norm_w, m.norm_b, LAYERNORM_EPS))
+            return r(swiglu_clamp(r(y) @ m.gate_up_w.T, geo.swiglu_limit)) @ m.down_w.T
         return last_hidden, by_rows(rows, last_hidden, ROW_BLOCK)
 
     def forward(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         geo = self.geo
         cos, sin = rope_tables(block_major_positions(grid_thw, geo.spatial_merge_size), self.inv_freq)
         segments = frame_segments(grid_thw)
-        x = pixel_values.astype(np.float32) @ self.w.patch_embed_w.T + self.w.patch_embed_b  # step 1
+        x = self.gemm_inputs(pixel_values.astype(np.float32)) @ self.w.patch_embed_w.T + self.w.patch_embed_b  # step 1
         for blk in self.w.blocks:  # step 5
             x = x + self.attention(rmsnorm(x, blk.norm1_w, geo.rms_norm_eps), blk, cos, sin, segments)
             x = x + self.mlp(rmsnorm(x, blk.norm2_w, geo.rms_norm_eps), blk)

@@ -7,7 +7,8 @@ conv) and BF16 dtype as the real export, plus decoy text-stack tensors (NVFP4-st
 weights, F8_E4M3 scales, BF16 embeddings) that the binder must never read.
 
 Weights look like a trained-from-init model rather than zeros: linear weights and biases
-N(0, 0.02) (transformers' initializer_range), norm weights 1 + N(0, 0.1).
+N(0, 0.02) (transformers' initializer_range), norm weights 1 + N(0, 0.1). `photo_like` makes
+the matching inputs: images with a photo's statistics, for the tests and `glmvit-cupy bench`.
 """
 
 from __future__ import annotations
@@ -148,3 +149,23 @@ def _specs_data(specs, prefix, tower_data, decoy_data) -> Iterator[bytes]:
             yield next(tower_data)
         else:
             yield from decoy_data([spec])
+
+
+def photo_like(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """An HxWx3 uint8 image with the statistics of a photo: smooth gradients, soft blobs,
+    edges and sensor noise (not uniform noise, which no camera produces)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    y /= max(height - 1, 1)
+    x /= max(width - 1, 1)
+    img = np.empty((height, width, 3), np.float32)
+    for c in range(3):
+        a, b, d = rng.uniform(-1, 1, 3)
+        img[..., c] = 0.5 + 0.25 * (a * x + b * y) + 0.1 * np.sin(6.28 * (d * x + 2 * y))
+    for _ in range(6):
+        cy, cx, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.3)
+        blob = np.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * r * r))
+        img += blob[..., None] * rng.uniform(-0.4, 0.4, 3)
+    img[(x + 0.3 * y) % 0.37 < 0.02] *= 0.3  # a few hard edges
+    img += rng.normal(0, 0.02, img.shape)
+    return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)

@@ -1,4 +1,4 @@
-"""Test helpers: photo-like images, tolerances, and the transformers oracle (test-only)."""
+"""Test helpers: tolerances, the kernel sets, and the transformers oracle (test-only)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from glmvit_cupy import synthetic
+
 PREFIX = "model.visual."
-
-
-def photo_like(height: int, width: int, seed: int = 0) -> np.ndarray:
-    """An HxWx3 uint8 image with the statistics of a photo: smooth gradients, soft blobs,
-    edges and sensor noise (not uniform noise, which no camera produces)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    y /= max(height - 1, 1)
-    x /= max(width - 1, 1)
-    img = np.empty((height, width, 3), np.float32)
-    for c in range(3):
-        a, b, d = rng.uniform(-1, 1, 3)
-        img[..., c] = 0.5 + 0.25 * (a * x + b * y) + 0.1 * np.sin(6.28 * (d * x + 2 * y))
-    for _ in range(6):
-        cy, cx, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.3)
-        blob = np.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * r * r))
-        img += blob[..., None] * rng.uniform(-0.4, 0.4, 3)
-    img[(x + 0.3 * y) % 0.37 < 0.02] *= 0.3  # a few hard edges
-    img += rng.normal(0, 0.02, img.shape)
-    return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
+photo_like = synthetic.photo_like  # the tests' images (and `glmvit-cupy bench`'s)
 
 
 def rel_err(a, b) -> float:
@@ -35,6 +18,53 @@ def rel_err(a, b) -> float:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# The GPU engine's kernel sets the gpu tests run (model.KERNELS but "auto"): the Hopper ones,
+# and the generic ones every other GPU runs, forced on an H200 with kernels="generic".
+KERNEL_SETS = ("hopper", "generic")
+
+
+def sm90() -> bool:
+    import cupy
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def available_kernel_sets() -> list[str]:
+    return [k for k in KERNEL_SETS if k != "hopper" or sm90()]
+
+
+def skip_unless_available(kernels: str) -> None:
+    """Skip a test of the Hopper kernels off sm_90."""
+    import pytest
+
+    if kernels not in available_kernel_sets():
+        pytest.skip("the Hopper kernels need sm_90")
+
+
+def assert_close(got, ref, atol, rtol: float, what: str = "") -> None:
+    """Element-wise |got - ref| <= atol + rtol x |ref| (llm.c's check; atol a number or an array
+    broadcasting against ref), in float64; NaN in got fails. On failure the message names how
+    many elements are out, the first few (index, got, ref), the worst one (by how far past its
+    bound) and the whole array's relative Frobenius error."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape}, expected {ref.shape}"
+    bound = atol + rtol * np.abs(ref)
+    err = np.abs(got - ref)
+    bad = ~(err <= bound)
+    if not bad.any():
+        return
+    at = [tuple(int(i) for i in ix) for ix in np.argwhere(bad)[:5]]
+    worst = np.unravel_index(np.argmax(np.where(bad, np.nan_to_num(err - bound, nan=np.inf), -np.inf)), ref.shape)
+    worst = tuple(int(i) for i in worst)
+    lines = [f"{what}: {int(bad.sum())} of {bad.size} elements outside |got - ref| <= atol + {rtol:.3g} |ref| "
+             f"(relative Frobenius error {rel_err(np.nan_to_num(got), ref):.3e})"]
+    lines += [f"  at {i}: got {float(got[i])!r}, ref {float(ref[i])!r}, bound {np.broadcast_to(bound, ref.shape)[i]:.3g}"
+              for i in at]
+    lines.append(f"  worst at {worst}: got {float(got[worst])!r}, ref {float(ref[worst])!r}, "
+                 f"bound {np.broadcast_to(bound, ref.shape)[worst]:.3g}")
+    raise AssertionError("\n".join(lines))
 
 
 def transformers_tower(model_dir: Path, dtype: str = "float32", device: str = "cpu"):

@@ -63,6 +63,8 @@ WRONG_CALLS = {
                                         r"max_pixels is a float"),
     "from_pretrained(device='0')": (lambda v: GlmVit.from_pretrained("x", device="0"), r"device is a str"),
     "from_pretrained(attention=1)": (lambda v: GlmVit.from_pretrained("x", attention=1), r"attention is a int"),
+    "from_pretrained(kernels='sm80')": (lambda v: GlmVit.from_pretrained("x", kernels="sm80"),
+                                        r"kernels 'sm80': expected one of auto, generic, hopper"),
     "from_weights(path)": (lambda v: GlmVit.from_weights("ckpt/", "numpy"), r"weights is a str, expected TowerWeights"),
 }
 

@@ -1,9 +1,13 @@
 """The CuPy engine on a real GPU (marked `gpu`; skipped where there is none).
 
-Accuracy is held to a derived bound, not a constant: the engine's relative Frobenius error
-against the float32 NumPy reference may be at most ERROR_FACTOR x the error of transformers'
-own bf16 Glm5NextVisionModel (sdpa) against the same reference, on the same weights and
-inputs, measured in the same test (flash-attention's "k x a same-precision baseline").
+Accuracy is held to a derived bound, not a constant (flash-attention's "k x a same-precision
+baseline"): the engine's relative Frobenius error against the float32 NumPy reference may be at
+most BASELINE_FACTOR x the error of the same reference with every GEMM's activation operand
+rounded to BF16 (`NumpyTower(gemm_inputs=bf16_round)`: the engine's precision, float32 residual
+and accumulation), on the same weights and inputs. Both kernel sets run (KERNEL_SETS): the
+Hopper ones and the generic ones every other GPU runs, forced on the H200 with kernels="generic".
+Kernel-against-kernel checks (flash vs naive, fused vs cuBLAS) keep ERROR_FACTOR x the error of
+the path they replace or of transformers' bf16 tower.
 """
 
 from __future__ import annotations
@@ -20,12 +24,22 @@ import pytest
 from glmvit_cupy import GlmVit, GlmVitError, load_geometry, preprocess
 from glmvit_cupy.benchmark import forward_flops
 from glmvit_cupy.bf16 import bf16_to_f32, f32_to_bf16_bits
+from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.reference import NumpyTower, bf16_round
 from glmvit_cupy.synthetic import write_checkpoint
-from helpers import photo_like, rel_err, run_transformers, transformers_tower
+from helpers import (KERNEL_SETS, available_kernel_sets, photo_like, rel_err, run_transformers, skip_unless_available,
+                     sm90, transformers_tower)
 
 pytestmark = pytest.mark.gpu
 ERROR_FACTOR = 1.25
+# Derived from the last H200 figures (BENCHMARKS.md "Accuracy in the same run": ours against the
+# float32 reference, last_hidden 5.5e-3 to 6.0e-3, pooler 9.6e-3 to 1.01e-2) over the BF16-input
+# baseline on the same checkpoint and cases (measured on the CPU: last_hidden 4.6e-3, 5.0e-3 and
+# 5.0e-3 at 448, 1036 and batch3; pooler 8.0e-3, 8.3e-3 and 8.4e-3): 1.10x to 1.30x, the engine's extra roundings (the QKV and gate|up products stored in
+# BF16, the flash kernel's BF16 P). 1.5 leaves 15% over the worst ratio; transformers' bf16 tower,
+# which keeps a BF16 residual, is at ~2.9x.
+BASELINE_FACTOR = 1.5
 
 # Photo-like inputs at the real geometry: one 448x448, one 1036x1036, a batch of three sizes.
 CASES = {
@@ -45,25 +59,43 @@ def inputs():
 
 @pytest.fixture(scope="module")
 def references(real_ckpt, inputs):
-    """float32 NumPy reference and transformers bf16 (sdpa, on the GPU) for every case."""
+    """Per case: the float32 NumPy reference, the same-precision baseline (BF16 GEMM inputs) and
+    transformers bf16 (sdpa, on the GPU; printed for comparison with BENCHMARKS.md)."""
     ref = GlmVit.from_pretrained(real_ckpt, backend="numpy")
+    baseline = NumpyTower(bind_checkpoint(real_ckpt), ref.p_max, gemm_inputs=bf16_round)
     model = transformers_tower(real_ckpt, dtype="bfloat16", device="cuda")
     out = {}
     for name, (pixels, grid) in inputs.items():
         r = ref.forward(pixels, grid)
-        out[name] = ((r.last_hidden_state, r.pooler_output), run_transformers(model, pixels, grid))
+        out[name] = ((r.last_hidden_state, r.pooler_output), baseline.forward(pixels, grid),
+                     run_transformers(model, pixels, grid))
     del model
     return out
 
 
 @pytest.fixture(scope="module")
-def vit(real_ckpt):
-    return GlmVit.from_pretrained(real_ckpt, backend="cupy")
+def engine(real_ckpt):
+    """engine(kernels, attention): one GlmVit each, made on first use (skips 'hopper' off sm_90)."""
+    made = {}
+
+    def get(kernels: str, attention: str = "flash") -> GlmVit:
+        skip_unless_available(kernels)
+        if (kernels, attention) not in made:
+            made[kernels, attention] = GlmVit.from_pretrained(real_ckpt, backend="cupy", attention=attention,
+                                                              kernels=kernels)
+        return made[kernels, attention]
+    return get
 
 
 @pytest.fixture(scope="module")
-def naive_vit(real_ckpt):
-    return GlmVit.from_pretrained(real_ckpt, backend="cupy", attention="naive")
+def vit(engine):
+    """The engine as `auto` makes it on this GPU."""
+    return engine("hopper" if sm90() else "generic")
+
+
+@pytest.fixture(scope="module")
+def naive_vit(engine):
+    return engine("hopper" if sm90() else "generic", "naive")
 
 
 def poison(vit) -> None:
@@ -80,30 +112,53 @@ def to_np(x):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("attention", ["flash", "naive"])
-def test_accuracy_against_the_float32_reference(inputs, references, case, attention, vit, naive_vit,
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_accuracy_against_the_float32_reference(inputs, references, case, attention, kernels, engine,
                                                 record_property):
-    engine = vit if attention == "flash" else naive_vit
+    vit = engine(kernels, attention)
+    assert vit.tower.k.hopper == (kernels == "hopper") and vit.tower.fused_mlp == (kernels == "hopper")
     pixels, grid = inputs[case]
-    poison(engine)
-    out = engine.forward(pixels, grid)
-    (ref_lh, ref_pool), (hf_lh, hf_pool) = references[case]
-    for name, got, ref, hf in (("last_hidden_state", out.last_hidden_state, ref_lh, hf_lh),
-                               ("pooler_output", out.pooler_output, ref_pool, hf_pool)):
+    poison(vit)
+    out = vit.forward(pixels, grid)
+    (ref_lh, ref_pool), (base_lh, base_pool), (hf_lh, hf_pool) = references[case]
+    for name, got, ref, base, hf in (("last_hidden_state", out.last_hidden_state, ref_lh, base_lh, hf_lh),
+                                     ("pooler_output", out.pooler_output, ref_pool, base_pool, hf_pool)):
         got = to_np(got)
         assert got.dtype == np.float32 and got.shape == ref.shape
         assert np.isfinite(got).all(), f"{name}: NaN/Inf (an element not written?)"
-        ours, theirs = rel_err(got, ref), rel_err(hf, ref)
-        record_property(f"{case}-{attention}-{name}", f"ours {ours:.3e} transformers-bf16 {theirs:.3e}")
-        print(f"{case} {attention} {name}: ours {ours:.3e}, transformers bf16 {theirs:.3e}")
-        assert ours <= ERROR_FACTOR * theirs, (name, ours, theirs)
+        ours, floor, theirs = rel_err(got, ref), rel_err(base, ref), rel_err(hf, ref)
+        record_property(f"{case}-{attention}-{kernels}-{name}",
+                        f"ours {ours:.3e} bf16-input baseline {floor:.3e} transformers-bf16 {theirs:.3e}")
+        print(f"{case} {attention} {kernels} {name}: ours {ours:.3e} = {ours / floor:.2f}x the bf16-input "
+              f"baseline {floor:.3e} (bound {BASELINE_FACTOR}x); transformers bf16 {theirs:.3e}")
+        assert ours <= BASELINE_FACTOR * floor, (name, ours, floor, ours / floor)
 
 
-def test_deterministic_across_runs_graphs_and_batch_order(vit, inputs):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_eager_captured_and_replayed_forwards_are_bit_identical(real_ckpt, kernels, inputs):
+    """A fresh engine (so the first call is eager whatever ran before): call 1 runs eagerly,
+    call 2 captures a CUDA graph and launches it, call 3 replays that graph; all three give the
+    same bits, with the scratch poisoned before each. Then the same images in another order give
+    every image's rows bit for bit, and the first grid's graph replays with its tables uploaded
+    again."""
+    skip_unless_available(kernels)
+    vit = GlmVit.from_pretrained(real_ckpt, backend="cupy", kernels=kernels)
+    graphs = vit.tower.graphs
     pixels, grid = inputs["batch3"]
-    runs = [vit.forward(pixels, grid) for _ in range(3)]  # eager, captured, replayed
-    for r in runs[1:]:
-        assert np.array_equal(to_np(r.pooler_output), to_np(runs[0].pooler_output))
-        assert np.array_equal(to_np(r.last_hidden_state), to_np(runs[0].last_hidden_state))
+    runs = []
+    for kind in ("eager", "captured", "replayed"):
+        poison(vit)
+        runs.append(vit.forward(pixels, grid))
+        assert len(graphs) == (0 if kind == "eager" else 1), (kind, len(graphs))
+        if kind == "captured":
+            graph = next(iter(graphs.values()))
+        if kind == "replayed":
+            assert next(iter(graphs.values())) is graph  # replayed, not captured again
+    for kind, r in zip(("captured", "replayed"), runs[1:]):
+        for name in ("pooler_output", "last_hidden_state"):
+            a, b = to_np(getattr(r, name)), to_np(getattr(runs[0], name))
+            assert np.array_equal(a, b), (f"{kind} differs from eager in {name}: {np.sum(a != b)} of {a.size} "
+                                          f"elements, max |diff| {np.nanmax(np.abs(a - b))}")
     # The same images in another order: every image's rows are bit-identical.
     parts = runs[0].split()
     order = [2, 0, 1]
@@ -111,23 +166,25 @@ def test_deterministic_across_runs_graphs_and_batch_order(vit, inputs):
     shuffled = np.concatenate([pixels[offsets[i]:offsets[i + 1]] for i in order])
     other = vit.forward(shuffled, grid[order]).split()
     for new_pos, old in enumerate(order):
-        assert np.array_equal(to_np(other[new_pos].pooler_output), to_np(parts[old].pooler_output))
-        assert np.array_equal(to_np(other[new_pos].last_hidden_state), to_np(parts[old].last_hidden_state))
+        assert np.array_equal(to_np(other[new_pos].pooler_output), to_np(parts[old].pooler_output)), old
+        assert np.array_equal(to_np(other[new_pos].last_hidden_state), to_np(parts[old].last_hidden_state)), old
     # Back to the first grid: its graph replays with its own tables uploaded again.
+    poison(vit)
     again = vit.forward(pixels, grid)
+    assert len(graphs) == 1 and next(iter(graphs.values())) is graph  # the shuffled grid ran eagerly
     assert np.array_equal(to_np(again.pooler_output), to_np(runs[0].pooler_output))
 
 
-def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
+def test_flash_equals_naive_attention_kernel_at_long_segments(engine, naive_vit):
     """The attention kernels alone at the real head count and dim, one segment of 1024, 5476,
-    21316 and 32000 tokens and a multi-segment batch: flash (every query tile it comes in; past
-    1024 with its last round in pieces) vs the materialised path, both against a float32
-    reference on 256 sampled query rows per head."""
+    21316 and 32000 tokens and a multi-segment batch: each flash kernel (mma.sync, and on sm_90
+    wgmma in every query tile it comes in, past 1024 with its last round in pieces) vs the
+    materialised path, both against a float32 reference on 256 sampled query rows per head."""
     import cupy
 
     from glmvit_cupy.flash import flash_work_list
-    tower = vit.tower
-    geo = tower.geo
+    towers = {kernels: engine(kernels).tower for kernels in available_kernel_sets()}
+    geo = naive_vit.tower.geo
     h, hd, heads = geo.hidden_size, geo.head_dim, geo.num_heads
     rng = np.random.default_rng(0)
     for lengths in ([1024], [5476], [21316], [32000], [1024, 700, 4096, 64, 5476]):
@@ -135,24 +192,27 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
         segments = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths], axis=-1)
         qkv = cupy.asarray(rng.standard_normal((p, 3 * h), dtype=np.float32) * 1.5).astype(cupy.float32)
         qkv_bf16 = f32_to_bf16_bits(qkv)
-        # Our own work lists and TMA descriptor, not the scratch's: the engine keeps its tables there
+        # Our own work lists and TMA descriptors, not the scratch's: the engine keeps its tables there
         # between calls.
-        qkv_map = cupy.asarray(tower.k.qkv_map(qkv_bf16)) if tower.k.hopper else None
-        works = {f"flash bm {bm}": (tower, flash_work_list(segments, bm, heads, tower.k.flash_slots(bm)))
-                 for bm in tower.k.flash_bms}
-        works["naive"] = (naive_vit.tower, flash_work_list(segments, 64, heads))
-        if len(lengths) == 1 and lengths[0] > 5000 and tower.k.hopper:
-            assert all(w.pieces >= 2 for name, (_, w) in works.items() if name != "naive"), lengths
+        works = {}
+        for kernels, tower in towers.items():
+            qkv_map = cupy.asarray(tower.k.qkv_map(qkv_bf16)) if tower.k.hopper else None
+            for bm in tower.k.flash_bms:
+                works[f"{kernels} flash bm {bm}"] = (tower, qkv_map,
+                                                     flash_work_list(segments, bm, heads, tower.k.flash_slots(bm)))
+        works["naive"] = (naive_vit.tower, None, flash_work_list(segments, 64, heads))
+        if len(lengths) == 1 and lengths[0] > 5000 and "hopper" in towers:
+            assert all(w.pieces >= 2 for name, (_, _, w) in works.items() if name.startswith("hopper")), lengths
         outs = {}
-        for name, (engine, work) in works.items():
+        for name, (tower, qkv_map, work) in works.items():
             out = outs[name] = cupy.full((p, h), 0xFFFF, dtype=cupy.uint16)  # NaN: unwritten rows show
             tiles = cupy.asarray(work.tiles)
-            engine._scratch()
+            tower._scratch()
             cupy.cuda.runtime.deviceSynchronize()
-            with engine.stream:
-                engine._attention(qkv_bf16, qkv_map, out, segments, tiles, work)
-            engine.stream.synchronize()
-            assert not engine.scratch.piece_counters.any(), (lengths, name)  # left at zero for the next launch
+            with tower.stream:
+                tower._attention(qkv_bf16, qkv_map, out, segments, tiles, work)
+            tower.stream.synchronize()
+            assert not tower.scratch.piece_counters.any(), (lengths, name)  # left at zero for the next launch
         q32 = bf16_to_f32(qkv_bf16)
         errs = {name: [] for name in outs}
         for start, length in segments.tolist():
@@ -174,10 +234,14 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(vit, naive_vit):
             assert max(e) <= ERROR_FACTOR * n, (lengths, name, max(e), n)
 
 
-def test_flash_tile_is_the_widest_that_gives_every_sm_a_cta(vit):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_flash_tile_is_the_widest_that_gives_every_sm_a_cta(engine, kernels):
     """Kernels.flash_bm: 448x448 keeps 64-query tiles (4 warpgroups would leave half the H200's
-    132 SMs idle); 1036x1036, 2044x2044 and batches of 448x448 take the widest."""
-    k, heads = vit.tower.k, vit.tower.geo.num_heads
+    132 SMs idle); 1036x1036, 2044x2044 and batches of 448x448 take the widest. The mma.sync
+    kernel comes in one tile and takes no pieces."""
+    k, heads = engine(kernels).tower.k, engine(kernels).tower.geo.num_heads
+    if kernels == "generic":
+        assert k.flash_bms == (128,) and k.flash_slots(128) == 0
     for lengths in ([1024], [5476], [21316], [1024] * 8, [1850, 1024, 1152], [64], [100000]):
         bm = k.flash_bm(lengths, heads)
         ctas = {b: sum(-(-n // b) for n in lengths) * heads for b in k.flash_bms}
@@ -232,21 +296,23 @@ def test_fused_gate_up_swiglu_equals_cublas_then_swiglu(vit):
             assert err_f <= ERROR_FACTOR * err_c, (depth, row0, rows, err_f, err_c)
 
 
-def test_flash_equals_naive_forward_on_large_images(real_ckpt, vit, naive_vit):
-    """Whole forward, flash vs naive, at 21316 patches (2044x2044) and the ~32k budget maximum
-    (no float32 reference is affordable there): flash may differ from the naive path by at
-    most ERROR_FACTOR x what transformers' bf16 tower differs from it."""
+def test_flash_equals_naive_forward_on_large_images(real_ckpt, engine, naive_vit):
+    """Whole forward, flash (each kernel set) vs naive, at 21316 patches (2044x2044) and the ~32k
+    budget maximum (no float32 reference is affordable there): flash may differ from the naive
+    path by at most ERROR_FACTOR x what transformers' bf16 tower differs from it."""
     model = transformers_tower(real_ckpt, dtype="bfloat16", device="cuda")
     for size in ((2044, 2044), (3000, 2500)):
         pixels, grid = preprocess(photo_like(*size, seed=size[0]))
-        a, b = vit.forward(pixels, grid), naive_vit.forward(pixels, grid)
+        b = naive_vit.forward(pixels, grid)
         hf = run_transformers(model, pixels, grid)
-        for i, name in enumerate(("last_hidden_state", "pooler_output")):
-            x, y = to_np(getattr(a, name)), to_np(getattr(b, name))
-            assert np.isfinite(x).all()
-            print(f"{size} {len(pixels)} patches, {name}: flash vs naive {rel_err(x, y):.2e}, "
-                  f"transformers bf16 vs naive {rel_err(hf[i], y):.2e}")
-            assert rel_err(x, y) <= ERROR_FACTOR * rel_err(hf[i], y)
+        for kernels in available_kernel_sets():
+            a = engine(kernels).forward(pixels, grid)
+            for i, name in enumerate(("last_hidden_state", "pooler_output")):
+                x, y = to_np(getattr(a, name)), to_np(getattr(b, name))
+                assert np.isfinite(x).all(), (kernels, name)
+                print(f"{size} {len(pixels)} patches, {kernels} {name}: flash vs naive {rel_err(x, y):.2e}, "
+                      f"transformers bf16 vs naive {rel_err(hf[i], y):.2e}")
+                assert rel_err(x, y) <= ERROR_FACTOR * rel_err(hf[i], y), (kernels, name)
 
 
 def test_scratch_is_lazy_sized_and_refuses_too_large_inputs(real_ckpt):
@@ -311,13 +377,15 @@ def test_cli_bench_reports_time_flops_peaks_and_stages(real_ckpt):
     assert patches == 2048 and abs(tflops - flops / ms / 1e9) <= 0.01 * tflops + 1
     assert abs(pct_burst - 100 * tflops / burst) <= 1 and abs(pct_sustained - 100 * tflops / sustained) <= 1
     stages = dict(item.split(" ") for item in line.group(6).split(", "))
-    assert list(stages) == ["patch_embed", "attention", "mlp", "merger"] and all(float(v) > 0 for v in stages.values())
+    assert list(stages) == ["patch_embed", "attention_sublayer", "mlp_sublayer", "merger"]
+    assert all(float(v) > 0 for v in stages.values())
 
 
 @pytest.mark.parametrize("hidden, heads", [(128, 2), (128, 4), (256, 2), (96, 3)])
 def test_small_geometry_runs_too(tmp_path, hidden, heads):
-    """Non-real geometries (head_dim 64, 32, 128) through the same kernels; flash only at 64.
-    Hidden 96 is not a whole number of the fused gate|up kernel's 64-wide K tiles: its MLPs
+    """Non-real geometries (head_dim 64, 32, 128) through both kernel sets; flash only at 64.
+    Held to transformers' error, as the BF16-input baseline's ratio was measured only at the
+    real geometry. Hidden 96 is not a whole number of the fused gate|up kernel's 64-wide K tiles: its MLPs
     take the cuBLAS + swiglu_clamp path on Hopper too."""
     geo = dataclasses.replace(GlmVitGeometry(**REAL), depth=2, hidden_size=hidden, num_heads=heads,
                               intermediate_size=256, out_hidden_size=256, projection_intermediate_size=512)
@@ -327,10 +395,12 @@ def test_small_geometry_runs_too(tmp_path, hidden, heads):
     pixels, grid = np.concatenate([pixels, video]), np.concatenate([grid, [[2, 4, 6]]])
     ref = GlmVit.from_pretrained(ckpt, backend="numpy").forward(pixels, grid)
     hf = run_transformers(transformers_tower(ckpt, dtype="bfloat16", device="cuda"), pixels, grid)
-    for attention in ("flash", "naive") if geo.head_dim == 64 else ("naive",):
-        vit = GlmVit.from_pretrained(ckpt, backend="cupy", attention=attention)
-        assert vit.tower.fused_mlp == (vit.tower.k.hopper and hidden % 64 == 0)
-        out = vit.forward(pixels, grid)
-        for got, want, base in ((out.last_hidden_state, ref.last_hidden_state, hf[0]),
-                                (out.pooler_output, ref.pooler_output, hf[1])):
-            assert rel_err(to_np(got), want) <= ERROR_FACTOR * rel_err(base, want)
+    for kernels in available_kernel_sets():
+        for attention in ("flash", "naive") if geo.head_dim == 64 else ("naive",):
+            vit = GlmVit.from_pretrained(ckpt, backend="cupy", attention=attention, kernels=kernels)
+            assert vit.tower.fused_mlp == (kernels == "hopper" and hidden % 64 == 0)
+            out = vit.forward(pixels, grid)
+            for got, want, base in ((out.last_hidden_state, ref.last_hidden_state, hf[0]),
+                                    (out.pooler_output, ref.pooler_output, hf[1])):
+                ours, theirs = rel_err(to_np(got), want), rel_err(base, want)
+                assert ours <= ERROR_FACTOR * theirs, (kernels, attention, ours, theirs)

@@ -14,7 +14,7 @@ from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.pipeline import StreamStats, plan_batches, stream
 from glmvit_cupy.preprocess import ProcessorConfig, canvas, canvas_grid, patchify, pixel_table, preprocess
 from glmvit_cupy.staging import CupyStager
-from helpers import photo_like
+from helpers import KERNEL_SETS, photo_like, skip_unless_available
 
 pytestmark = pytest.mark.gpu
 SIZES = [(448, 448), (333, 517), (1200, 900), (56, 700), (640, 480), (96, 96), (1600, 1064), (700, 520)]
@@ -49,10 +49,15 @@ def test_device_patchify_is_bit_identical_to_the_cpu_path(vit, canvases):
     assert np.array_equal(got.get(), want.get())
 
 
-def test_staged_forward_equals_forward_in_every_dtype(vit, canvases):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_staged_forward_equals_forward_in_every_dtype(real_ckpt, vit, canvases, kernels):
     """Two batches in flight through the stager give, per dtype, the forward's float32 outputs
-    cast once; the second batch's upload overlapped the first's compute."""
+    cast once; the second batch's upload overlapped the first's compute. On both kernel sets."""
     import cupy
+
+    skip_unless_available(kernels)
+    if kernels != ("hopper" if vit.tower.k.hopper else "generic"):
+        vit = GlmVit.from_pretrained(real_ckpt, backend="cupy", kernels=kernels)
 
     batches = [canvases[:3], canvases[3:]]
     grids = [np.array([canvas_grid(c.shape) for c in b], dtype=np.int64) for b in batches]
