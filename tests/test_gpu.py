@@ -23,10 +23,10 @@ import pytest
 
 from glmvit_cupy import GlmVit, GlmVitError, load_geometry, preprocess
 from glmvit_cupy.benchmark import forward_flops
-from glmvit_cupy.bf16 import bf16_to_f32, f32_to_bf16_bits
+from glmvit_cupy.bf16 import bf16_round, bf16_to_f32, f32_to_bf16_bits
 from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.reference import NumpyTower, bf16_round
+from glmvit_cupy.reference import NumpyTower
 from glmvit_cupy.synthetic import write_checkpoint
 from helpers import (KERNEL_SETS, available_kernel_sets, photo_like, rel_err, run_transformers, skip_unless_available,
                      sm90, transformers_tower)

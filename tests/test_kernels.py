@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 
 from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.layout import block_major_positions, flash_work_list, rope_inv_freq
-from glmvit_cupy.reference import (LAYERNORM_EPS, bf16_to_f32, f32_to_bf16_bits, gelu_erf, im2col_2x2, layernorm,
-                                   qknorm_rope, rmsnorm, rope_tables, segment_attention, silu, swiglu_clamp)
+from glmvit_cupy.layout import block_major_positions, rope_inv_freq
+from glmvit_cupy.bf16 import bf16_to_f32, f32_to_bf16_bits
+from glmvit_cupy.flash import flash_work_list
+from glmvit_cupy.reference import (LAYERNORM_EPS, gelu_erf, im2col_2x2, layernorm, qknorm_rope, rmsnorm, rope_tables,
+                                   segment_attention, silu, swiglu_clamp)
 from helpers import KERNEL_SETS, assert_close, skip_unless_available
 
 gpu = pytest.mark.gpu
