@@ -111,6 +111,10 @@ class Kernels:
             threads, smem = flash.launch(self._flash_module, bm)
             f.max_dynamic_shared_size_bytes = smem
             self._flash[bm] = (f, threads, smem)
+        # Asked once, here: the driver's occupancy query needs this thread's CUDA context, and
+        # engines are built on other threads than the one that made the kernels.
+        self._slots = {bm: self._sms * cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(f.kernel.ptr, t, m)
+                       if self.hopper else 0 for bm, (f, t, m) in self._flash.items()}
 
     def f32_to_bf16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
         n4 = src.size // 4
@@ -203,10 +207,7 @@ class Kernels:
         """CTAs of a bm-query tile that run at once (a round): the SMs times the CTAs the driver
         fits on one (launch bounds, registers, shared memory). The work list cuts its last round
         into pieces by it; 0 where the kernel takes no pieces (mma.sync)."""
-        if not self.hopper:
-            return 0
-        f, threads, smem = self._flash[bm]
-        return self._sms * cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(f.kernel.ptr, threads, smem)
+        return self._slots[bm]
 
     def flash_piece_rows(self) -> int:
         """Rows the flash kernel's pieces leave at most on this GPU (sizes the scratch's pieces)."""
