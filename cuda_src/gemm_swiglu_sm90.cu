@@ -30,11 +30,14 @@ namespace {
 
 using namespace sm90;
 
+// The literals here are read by the host (gemm_swiglu.py sizes the launch and shared memory from them).
 constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;  // BN: act columns (gate and up rows each)
+constexpr int SROW_PAD = 8;  // BF16 past a staging row's gate and up: 16 bytes make the fragment stores conflict-free
+constexpr int ALIGN = 1024;  // the tiles start at the 128-byte swizzle's 1024-byte atom
+constexpr int THREADS = 512;
 constexpr int TILE_X = BM * BK, TILE_W = BN * BK;       // elements
 constexpr int STAGE_ELEMS = TILE_X + 2 * TILE_W;
-constexpr int SROW = 2 * BN + 8;  // staging row: gate, up, and 16 bytes that make the fragment stores conflict-free
-constexpr int THREADS = 512;
+constexpr int SROW = 2 * BN + SROW_PAD;
 
 #define R4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define ACC64(d) R4(d, 0), R4(d, 1), R4(d, 2), R4(d, 3), R4(d, 4), R4(d, 5), R4(d, 6), R4(d, 7), \
@@ -61,13 +64,13 @@ __device__ __forceinline__ float fast_silu(float v) { return __fdividef(v, 1.f +
 // gate|up weight [2 x inter, K] (same boxes). act[r, c] for r < rows lands at act + r * ld_act
 // + c (16-byte aligned rows). bias: [2 x inter] or null. K % 64 == 0, inter % 128 == 0 (the
 // engine checks). Grid: min(tiles, SMs); 512 threads; dynamic smem 3 x 48 KiB stages + the
-// 66 KiB staging tile + 1 KiB of alignment slack (kernels.py).
+// Dynamic shared memory: STAGES stages, the staging tile [BM][SROW], ALIGN bytes of alignment slack.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gemm_swiglu_sm90(const void* __restrict__ x_map, const void* __restrict__ w_map, const bf16* __restrict__ bias,
                  bf16* __restrict__ act, int row0, int rows, int K, int inter, long long ld_act, float limit) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES], staged, drained;
-    bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((ALIGN - (smem_addr(smem_raw) & (ALIGN - 1))) & (ALIGN - 1)));
     bf16* buf = smem + STAGES * STAGE_ELEMS;  // [BM][SROW]
     const int wg = threadIdx.x >> 7, k_steps = K / BK, n_blocks = inter / BN;
     const int tiles = n_blocks * ((rows + BM - 1) / BM);

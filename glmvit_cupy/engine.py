@@ -35,7 +35,7 @@ from .errors import GlmVitError
 from .faults import check_launches, check_stream, synchronize
 from .flash import HEAD_DIMS as FLASH_HEAD_DIMS
 from .flash import FlashWork, flash_work_list
-from .kernels import GATE_UP_TILE, QKNORM_HEAD_DIMS, Kernels
+from .kernels import QKNORM_HEAD_DIMS, Kernels
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS
 from .scratch import GlmVitScratch, scratch_plan
@@ -122,12 +122,11 @@ class CupyTower:
             return self.arena[start:start + raw.size].reshape(raw.shape)
 
         self.w: GlmVitTensors[cupy.ndarray] = structure(weights, on_device)
-        # The fused gate|up kernel needs whole tiles: K % 64 and intermediate % 128 (the real
+        # The fused gate|up kernel needs whole tiles of K and of the intermediate width (the real
         # tower's 1024/4096 and 4096/10240 are). It reads each gate|up weight through a TMA
         # descriptor made here, once; those of its inputs live in the scratch.
         mlps = ((geo.hidden_size, geo.intermediate_size), (geo.out_hidden_size, geo.projection_intermediate_size))
-        self.fused_mlp = self.k.hopper and all(k % GATE_UP_TILE[0] == 0 and n % GATE_UP_TILE[1] == 0
-                                               for k, n in mlps)
+        self.fused_mlp = self.k.hopper and all(self.k.gemm.takes(k, n) for k, n in mlps)
         gate_up_ws = [blk.gate_up_w for blk in self.w.blocks] + [self.w.merger.gate_up_w]
         with self.stream:
             self.shifts = cupy.asarray(bias_sums(weights))  # [2 * depth + 1, h], see bias_sums

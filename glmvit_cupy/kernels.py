@@ -25,9 +25,9 @@ import numpy as np
 from . import flash
 from .errors import GlmVitError, InternalError
 from .faults import Checked
+from .gemm_swiglu import read_tiles
 from .kernel_source import constants, cuda_source_dir, load_source, required_arch
 
-GATE_UP_TILE = (64, 128)  # gemm_swiglu_sm90: K and act columns come in whole tiles of these
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
 
 
@@ -100,11 +100,9 @@ class Kernels:
         self._maps = TensorMaps() if self.hopper else None
         self._norm_rows = constants((cuda_source_dir() / "norms.cu").read_text())["ROWS"]  # a warp each
         self._sms = device.attributes["MultiProcessorCount"]
-        # 3 stages of a 128-row X box and two 128-row W boxes (64 columns each), the staging tile
-        # (128 rows of 2 x 128 + 8 BF16), alignment slack
-        self._gemm_smem = 3 * 3 * 128 * 64 * 2 + 128 * 264 * 2 + 1024
+        self.gemm = read_tiles(cuda_source_dir())  # gemm_swiglu_sm90's tiles, as its source declares them
         if self.hopper:
-            self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self._gemm_smem
+            self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self.gemm.smem
         self._flash = {}  # query tile -> (function, threads, dynamic shared memory): flash.launch
         for bm in self.flash_bms:
             f = self._f[flash.kernel_name(self._flash_module, bm)]
@@ -184,7 +182,7 @@ class Kernels:
     def gate_up_map(self, array: cupy.ndarray) -> np.ndarray:
         """The TMA descriptor gemm_swiglu reads an X or W operand through (128-row boxes).
         Hopper only."""
-        return self._maps.rows(array, GATE_UP_TILE[1], GATE_UP_TILE[0])
+        return self._maps.rows(array, self.gemm.bm, self.gemm.bk)
 
     def gemm_swiglu(self, x_map: cupy.ndarray, w_map: cupy.ndarray, bias: cupy.ndarray | None, act: cupy.ndarray,
                     row0: int, k: int, limit: float) -> None:
@@ -192,12 +190,12 @@ class Kernels:
         inter, k] read through their maps (gate_up_map); act may be a strided view (the gate
         half of a gate|up buffer). One persistent CTA per SM at most."""
         rows, inter = act.shape
-        tiles = inter // GATE_UP_TILE[1] * -(-rows // 128)
-        self._f["gemm_swiglu_sm90"]((min(tiles, self._sms),), (512,),
+        tiles = self.gemm.tiles(rows, inter)
+        self._f["gemm_swiglu_sm90"]((min(tiles, self._sms),), (self.gemm.threads,),
                                     (x_map, w_map, bias if bias is not None else np.uint64(0), act, np.int32(row0),
                                      np.int32(rows), np.int32(k), np.int32(inter),
                                      np.int64(act.strides[0] // act.itemsize), np.float32(limit)),
-                                    shared_mem=self._gemm_smem)
+                                    shared_mem=self.gemm.smem)
 
     def flash_bm(self, lengths: list[int], heads: int) -> int:
         """Queries per CTA for segments of these lengths on this GPU (flash.choose_bm)."""
