@@ -226,20 +226,19 @@ class CupyTower:
         key = tables.key
         if marks is not None:  # stage timing: always eager
             self._body(p, tables.segments, tables.work, marks)
-        elif key in self.graphs:
-            self.graphs.move_to_end(key)
-            self.graphs[key].launch(self.stream)
-            if self.check_launches:
-                check_stream("a replayed CUDA graph of the forward", self.stream)
-        elif tables.seen:
-            self.stream.begin_capture()
-            self._body(p, tables.segments, tables.work, None)
-            graph = self.graphs[key] = self.stream.end_capture()
-            if len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+        elif key in self.graphs or tables.seen:
+            graph = self.graphs.get(key)
+            if graph is None:
+                self.stream.begin_capture()
+                self._body(p, tables.segments, tables.work, None)
+                graph = self.graphs[key] = self.stream.end_capture()
+                if len(self.graphs) > MAX_GRAPHS:
+                    self.graphs.popitem(last=False)
+            else:
+                self.graphs.move_to_end(key)
             graph.launch(self.stream)
             if self.check_launches:
-                check_stream("a just-captured CUDA graph of the forward", self.stream)
+                check_stream("a CUDA graph of the forward", self.stream)
         else:
             self._body(p, tables.segments, tables.work, None)
 

@@ -18,6 +18,7 @@ by TMA, through descriptors the driver API encodes (`TensorMaps`: CuPy has no wr
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import cupy
 import numpy as np
@@ -31,8 +32,8 @@ from .kernel_source import constants, cuda_source_dir, load_source, required_arc
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
 
 
-def _module(name: str) -> cupy.RawModule:
-    source = load_source(cuda_source_dir() / f"{name}.cu")
+def _module(src: Path, name: str) -> cupy.RawModule:
+    source = load_source(src / f"{name}.cu")
     arch = required_arch(source)
     options = ("--std=c++17",) + ((f"-arch={arch}",) if arch else ())
     return cupy.RawModule(code=source, options=options)
@@ -86,7 +87,8 @@ class Kernels:
                               "use 'auto' or 'generic'")
         self.hopper = sm90 and kernels != "generic"
         self._flash_module = flash.SM90 if self.hopper else flash.GENERIC
-        flash.check_sources(cuda_source_dir())
+        src = cuda_source_dir()
+        flash.check_sources(src)
         self.flash_bms = flash.BMS[self._flash_module]
         names = {"convert": ("f32_to_bf16", "f32_to_f16"), "patchify": ("patchify_u8",), "norms": ("rmsnorm_bias", "layernorm_gelu"),
                  "rope": ("rope_tables", "qknorm_rope"), "mlp": ("swiglu_clamp",),
@@ -94,13 +96,13 @@ class Kernels:
                  self._flash_module: tuple(flash.kernel_name(self._flash_module, bm) for bm in self.flash_bms)}
         if self.hopper:
             names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
-        self._f = {name: _module(mod).get_function(name) for mod, funcs in names.items() for name in funcs}
+        self._f = {name: _module(src, mod).get_function(name) for mod, funcs in names.items() for name in funcs}
         if check_launches:  # faults.py: each launch waits for itself and names itself if it faults
             self._f = {name: Checked(f, f"kernel {name}") for name, f in self._f.items()}
         self._maps = TensorMaps() if self.hopper else None
-        self._norm_rows = constants((cuda_source_dir() / "norms.cu").read_text())["ROWS"]  # a warp each
+        self._norm_rows = constants((src / "norms.cu").read_text())["ROWS"]  # a warp each
         self._sms = device.attributes["MultiProcessorCount"]
-        self.gemm = read_tiles(cuda_source_dir())  # gemm_swiglu_sm90's tiles, as its source declares them
+        self.gemm = read_tiles(src)  # gemm_swiglu_sm90's tiles, as its source declares them
         if self.hopper:
             self._f["gemm_swiglu_sm90"].max_dynamic_shared_size_bytes = self.gemm.smem
         self._flash = {}  # query tile -> (function, threads, dynamic shared memory): flash.launch
