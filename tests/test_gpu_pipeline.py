@@ -117,7 +117,7 @@ def test_encode_iter_equals_forward_and_keeps_the_gpu_busy(vit, tmp_path):
     start = time.perf_counter()
     n = sum(1 for _ in stream(vit, paths * 4, outputs=("pooler_output",), dtype="bfloat16", stats=stats))
     wall = time.perf_counter() - start
-    busy = stats.gpu_ms / 1000 / wall
+    busy = stats.gpu_ms[0] / 1000 / wall
     print(f"stream: {n} images in {wall:.2f} s ({n / wall:.1f} images/s, {stats.tokens / wall:,.0f} tokens/s), "
           f"{stats.batches} batches, GPU busy {100 * busy:.0f}%"
           + (" (launches checked one by one: not a speed figure)" if vit.tower.check_launches else ""))

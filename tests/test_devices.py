@@ -1,0 +1,91 @@
+"""`encode --devices`: engine processes behind one pipeline (glmvit_cupy/devices.py), tested on the
+CPU with NumPy engine processes: the same output directory as one engine, bit for bit; a SIGKILL
+and a resume; the mistakes as one line; no shared memory left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from glmvit_cupy.model import gpu_available
+from glmvit_cupy.shards import read_embeddings
+from test_pipeline import CLI, make_images, records, run
+
+SHM = Path("/dev/shm")
+
+
+def leftovers() -> list[str]:
+    return sorted(p.name for p in SHM.glob(".glmvit-cupy-*")) if SHM.is_dir() else []
+
+
+def encode_args(images: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    return ["encode", str(images), "--model", str(model), "--out-dir", str(out), "--backend", "numpy",
+            "--workers", "1", "--shard-size", "5", "--max-pixels", str(300 * 196), "--quiet", *extra]
+
+
+def test_two_engines_write_what_one_writes(tmp_path, tiny_ckpt):
+    make_images(tmp_path / "img", 24, seed=8)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run(*encode_args(tmp_path / "img", one, tiny_ckpt, "--output", "both")).returncode == 0
+    before = leftovers()
+    proc = run(*encode_args(tmp_path / "img", two, tiny_ckpt, "--output", "both", "--devices", "0,1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "encoded 24, skipped 0, failed 0" in proc.stderr and "GPU busy n/a (NumPy backend)" in proc.stderr
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in two.iterdir()) and len(names) == 10
+    for name in names:  # each image's batch is the same batch: the same bits, the same metadata
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    assert leftovers() == before  # the tower and the slots in /dev/shm are unlinked once mapped
+
+
+def test_sigkill_then_resume_on_two_engines(tmp_path, tiny_ckpt):
+    paths = make_images(tmp_path / "img", 40, seed=9)
+    out, alone = tmp_path / "out", tmp_path / "alone"
+    args = [*CLI, *encode_args(tmp_path / "img", out, tiny_ckpt, "--devices", "0,1", "--dtype", "float32")]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    while len(list(out.glob("shard-*.jsonl"))) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the main process, its decode workers and both engines
+    proc.wait()
+    done = records(out)
+    assert 10 <= len(done) < len(paths), "the kill should land mid-run"
+    resumed = subprocess.run(args, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipped {len(done)}" in resumed.stderr
+    assert sorted(r["path"] for r in records(out)) == sorted(str(p) for p in paths)  # exactly one each
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert run(*encode_args(tmp_path / "img", alone, tiny_ckpt, "--dtype", "float32")).returncode == 0
+    want = {r["path"]: a["pooler_output"] for r, a in read_embeddings(alone)}
+    for record, arrays in read_embeddings(out):
+        assert np.array_equal(arrays["pooler_output"], want[record["path"]])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("0,0", "--devices '0,0': expected 'all' or distinct device indices such as 0,1"),
+    ("one", "--devices 'one': expected 'all' or distinct device indices such as 0,1"),
+])
+def test_device_lists_are_checked(tmp_path, tiny_ckpt, spec, message):
+    make_images(tmp_path / "img", 1)
+    proc = run(*encode_args(tmp_path / "img", tmp_path / "out", tiny_ckpt, "--devices", spec))
+    assert proc.returncode == 1 and proc.stderr.strip() == f"glmvit-cupy: error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(gpu_available()[0], reason="needs a machine without a usable GPU")
+def test_devices_without_a_gpu_is_one_line(tmp_path, tiny_ckpt):
+    make_images(tmp_path / "img", 1)
+    base = ["encode", str(tmp_path / "img"), "--model", str(tiny_ckpt), "--out-dir", str(tmp_path / "out")]
+    every = run(*base, "--devices", "all")
+    assert every.returncode == 1 and len(every.stderr.strip().splitlines()) == 1
+    assert every.stderr.startswith("glmvit-cupy: error: --devices all: no GPU to run on (")
+    first = run(*base, "--devices", "0")
+    assert first.returncode == 1 and first.stderr.startswith("glmvit-cupy: error: device 0: backend 'cupy': ")
+    assert len(first.stderr.strip().splitlines()) == 1 and "Traceback" not in first.stderr
+    assert not (tmp_path / "out").exists() and leftovers() == []
