@@ -22,13 +22,13 @@ from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
 from glmvit_cupy.pipeline import DEFAULT_WORKERS, OUTPUTS
+from glmvit_cupy.shards import DEFAULT_SHARD_SIZE
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.staging import DTYPES
 from glmvit_cupy.writer import write_atomic
 
 MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
               "org/name[@revision] already in the local cache (never downloaded).")
-DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way redoes
 
 
 def fail(message: str, status: int = 1) -> None:

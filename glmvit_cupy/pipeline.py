@@ -289,8 +289,7 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
     `stager`: as stream's (devices.EngineGroup spreads the batches over engine processes)."""
     outputs = OUTPUTS[output]
     processor = processor or vit.processor
-    metadata = {"format": FORMAT, "tower": vit.fingerprint, "outputs": ",".join(outputs),
-                "dtype": dtype, "processor": processor_json(processor)}
+    metadata = shard_metadata(vit, outputs, dtype, processor)
     start = time.perf_counter()
     directory = OutputDir(Path(out_dir), metadata)
     try:
@@ -330,5 +329,8 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
         directory.close()
 
 
-def processor_json(processor: ProcessorConfig) -> str:
-    return json.dumps(dataclasses.asdict(processor), sort_keys=True)
+def shard_metadata(vit, outputs: Sequence[str], dtype: str, processor: ProcessorConfig) -> dict[str, str]:
+    """What every shard's header records of the settings that made it (a resume, or a reader of
+    several directories, refuses shards made otherwise)."""
+    return {"format": FORMAT, "tower": vit.fingerprint, "outputs": ",".join(outputs), "dtype": dtype,
+            "processor": json.dumps(dataclasses.asdict(processor), sort_keys=True)}
