@@ -4,10 +4,6 @@ and a resume; the mistakes as one line; no shared memory left behind."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +11,7 @@ import pytest
 
 from glmvit_cupy.model import gpu_available
 from glmvit_cupy.shards import read_embeddings
-from test_pipeline import CLI, make_images, records, run
+from test_pipeline import CLI, kill_after_two_shards_then_resume, make_images, run
 
 SHM = Path("/dev/shm")
 
@@ -48,19 +44,7 @@ def test_sigkill_then_resume_on_two_engines(tmp_path, tiny_ckpt):
     paths = make_images(tmp_path / "img", 40, seed=9)
     out, alone = tmp_path / "out", tmp_path / "alone"
     args = [*CLI, *encode_args(tmp_path / "img", out, tiny_ckpt, "--devices", "0,1", "--dtype", "float32")]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.time() + 120
-    while len(list(out.glob("shard-*.jsonl"))) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # the main process, its decode workers and both engines
-    proc.wait()
-    done = records(out)
-    assert 10 <= len(done) < len(paths), "the kill should land mid-run"
-    resumed = subprocess.run(args, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"skipped {len(done)}" in resumed.stderr
-    assert sorted(r["path"] for r in records(out)) == sorted(str(p) for p in paths)  # exactly one each
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    kill_after_two_shards_then_resume(args, out, paths, shard_size=5)
     assert run(*encode_args(tmp_path / "img", alone, tiny_ckpt, "--dtype", "float32")).returncode == 0
     want = {r["path"]: a["pooler_output"] for r, a in read_embeddings(alone)}
     for record, arrays in read_embeddings(out):

@@ -122,3 +122,28 @@ def test_encode_iter_equals_forward_and_keeps_the_gpu_busy(vit, tmp_path):
           f"{stats.batches} batches, GPU busy {100 * busy:.0f}%"
           + (" (launches checked one by one: not a speed figure)" if vit.tower.check_launches else ""))
     assert n == 4 * len(paths) and 0 < busy <= 1.0
+
+
+def test_devices_write_what_one_engine_writes(tmp_path, real_ckpt):
+    """`encode --devices all` (engine processes, the tower mapped from /dev/shm) writes the same
+    bits as the engine in the CLI's own process: each image's batch is the same batch. One GPU
+    exercises the whole path; on more, batches spread over them."""
+    import subprocess
+    import sys
+
+    for i, (h, w) in enumerate(SIZES * 3):
+        Image.fromarray(photo_like(h, w, seed=i)).save(tmp_path / f"img{i:02d}.png")
+    outs = {}
+    for name, extra in (("one", []), ("devices", ["--devices", "all"])):
+        outs[name] = tmp_path / name
+        proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "encode", str(tmp_path),
+                               "--model", str(real_ckpt), "--out-dir", str(outs[name]), "--backend", "cupy",
+                               "--shard-size", "10", "--workers", "2", "--quiet", *extra],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        print(f"({name}) {proc.stderr.strip().splitlines()[-1]}")
+    assert "(devices " in proc.stderr
+    names = sorted(p.name for p in outs["one"].iterdir())
+    assert names == sorted(p.name for p in outs["devices"].iterdir()) and len(names) == 6
+    for name in names:
+        assert (outs["one"] / name).read_bytes() == (outs["devices"] / name).read_bytes(), name
