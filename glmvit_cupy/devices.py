@@ -45,6 +45,7 @@ from .geometry import patch_budget
 from .layout import merged_offsets
 from .preprocess import ProcessorConfig, check_processor
 from .staging import DTYPES, Pending
+from .writer import create_temp
 
 DEPTH = 3  # batches in flight per engine: two in its stager (k + 1 uploads while k computes), one on the pipe
 _ALIGN = 64
@@ -91,8 +92,6 @@ class _SharedFile:
     """A file in /dev/shm mapped into this process, which other processes map by its path."""
 
     def __init__(self, name: str, nbytes: int) -> None:
-        from .writer import create_temp
-
         fd, self.path = create_temp(_SHM, name)  # a dead run's leftovers (SIGKILL) are removed first
         try:
             os.ftruncate(fd, nbytes)  # tmpfs: zero pages, allocated as they are written
@@ -328,10 +327,12 @@ class EngineGroup:
         engine = min(self._engines, key=lambda e: e.in_flight)
         slot = engine.sent % DEPTH
         buf = np.frombuffer(engine.slots.map, np.uint8, self.layout.slot_bytes, self.layout.canvas_at(slot))
+        if sum(c.size for c in canvases) > self.layout.canvas_bytes:  # one image over the budget: no slot holds it
+            p, px = int(np.prod(grid_thw, axis=1).sum()), self.processor.patch_size ** 2
+            raise GlmVitError(f"{p} patches exceed the engines' p_max of {self.p_max} (max_pixels {self.p_max * px}); "
+                              f"raise it to at least {p * px} with --max-pixels")
         cursor = 0
         for c in canvases:
-            if cursor + c.size > self.layout.canvas_bytes:
-                raise GlmVitError(f"the batch's canvases exceed the {self.p_max}-patch budget")
             buf[cursor:cursor + c.size] = c.reshape(-1)
             cursor += c.size
         engine.conn.send(([c.shape for c in canvases], grid_thw))
