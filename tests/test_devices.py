@@ -4,6 +4,8 @@ and a resume; the mistakes as one line; no shared memory left behind."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +75,12 @@ def test_devices_without_a_gpu_is_one_line(tmp_path, tiny_ckpt):
     assert first.returncode == 1 and first.stderr.startswith("glmvit-cupy: error: device 0: backend 'cupy': ")
     assert len(first.stderr.strip().splitlines()) == 1 and "Traceback" not in first.stderr
     assert not (tmp_path / "out").exists() and leftovers() == []
+
+
+def test_the_main_process_imports_neither_cupy_nor_ray():
+    """CuPy starts only in engine processes, once their device is chosen; Ray only where
+    glmvit_cupy.ray is imported (the optional extra)."""
+    code = ("import sys, cli, glmvit_cupy, glmvit_cupy.devices, glmvit_cupy.pipeline, glmvit_cupy.shards\n"
+            "print(sorted(m for m in ('cupy', 'ray') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
