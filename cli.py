@@ -140,12 +140,15 @@ encodes only what is missing.""")
               help="One engine process per GPU (--out-dir): the tower read once, one decode pool, one "
                    "output directory. With --backend numpy, CPU engine processes. [default: one engine, "
                    "in this process]")
+@click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
+              help="The GPU engine's kernels (every engine's, with --devices): auto takes the Hopper ones on "
+                   "sm_90, else the generic ones; generic or hopper forces a set.")
 @processor_options
 @user_errors
 def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_path: Path | None,
            out_dir: Path | None, backend: str, which: str, dtype: str | None, shard_size: int, workers: int,
-           fail_fast: bool, quiet: bool, max_pixels: int | None, devices: str | None, min_image_tokens: int | None,
-           max_image_tokens: int | None) -> None:
+           fail_fast: bool, quiet: bool, max_pixels: int | None, devices: str | None, kernels: str,
+           min_image_tokens: int | None, max_image_tokens: int | None) -> None:
     """Encode images (INPUTS: files, directories, quoted glob patterns, .tar shards) into
     embeddings.
 
@@ -191,11 +194,12 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     group = None
     try:
         if devices is None:
-            vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, **budget)
+            vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, kernels=kernels,
+                                         **budget)
         else:
             from glmvit_cupy.devices import EngineGroup
             vit = group = EngineGroup(directory, device_list, backend, max_pixels, processor, OUTPUTS[which],
-                                      dtype or "bfloat16")
+                                      dtype or "bfloat16", kernels)
         if vit.backend_note and vit.backend == "numpy":
             click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
         if out_path is not None:

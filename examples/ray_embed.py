@@ -23,6 +23,7 @@ import time
 import ray
 
 from glmvit_cupy.errors import GlmVitError
+from glmvit_cupy.model import KERNELS
 from glmvit_cupy.pipeline import OUTPUTS
 from glmvit_cupy.ray import GlmVitEmbedder, ShardSink, parts, rows_of
 from glmvit_cupy.shards import DEFAULT_SHARD_SIZE, read_records, record_key
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
     ap.add_argument("--output", choices=list(OUTPUTS), default="pooler")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--kernels", choices=list(KERNELS), default="auto", help="the GPU engines' kernel set")
     ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE)
     args = ap.parse_args()
 
@@ -56,7 +58,7 @@ def main() -> None:
     ds = ray.data.from_items(rows_of(todo))
     ds = ds.map_batches(GlmVitEmbedder,
                         fn_constructor_kwargs={"model": args.model, "backend": args.backend, "output": args.output,
-                                               "dtype": args.dtype},
+                                               "dtype": args.dtype, "kernels": args.kernels},
                         compute=ray.data.ActorPoolStrategy(size=args.actors), num_gpus=args.gpus_per_actor,
                         batch_size=args.batch_size)
     ds.write_datasink(ShardSink(args.out_dir, args.shard_size))

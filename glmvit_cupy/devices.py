@@ -35,7 +35,7 @@ import threading
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -43,7 +43,9 @@ from .checkpoint import TowerLocation, TowerWeights, locate_tower, read_tower
 from .errors import GlmVitError
 from .geometry import patch_budget
 from .layout import merged_offsets
+from .model import KERNELS
 from .preprocess import ProcessorConfig, check_processor
+from .pipeline import StreamTurn
 from .staging import DTYPES, Pending
 from .writer import create_temp
 
@@ -163,6 +165,7 @@ class _EngineSpec:
     max_pixels: int | None
     processor: ProcessorConfig
     dtype: str
+    kernels: str  # model.KERNELS; GLMVIT_CHECK_LAUNCHES reaches the engine in its inherited environment
     layout: _Layout
     slots_path: str
 
@@ -180,14 +183,16 @@ def _engine_main(spec: _EngineSpec, conn: Connection) -> None:
         tower = _attach(spec.tower_path, spec.tower_elements * 2)
         arena = np.frombuffer(tower, dtype=np.uint16, count=spec.tower_elements)
         weights = TowerWeights(spec.location, arena, spec.offsets, spec.bytes_read)
-        vit = GlmVit.from_weights(weights, spec.backend, spec.max_pixels, processor=spec.processor)
+        vit = GlmVit.from_weights(weights, spec.backend, spec.max_pixels, processor=spec.processor,
+                                  kernels=spec.kernels)
         stager = make_stager(vit, spec.layout.outputs, spec.dtype, spec.processor)
         slots = _attach(spec.slots_path, spec.layout.total)
     except (GlmVitError, MemoryError) as exc:
         conn.send(("error", str(exc) or type(exc).__name__))
         return
     del weights, arena, tower  # the engine holds its own copy (device or float32): unmap the shared one
-    conn.send(("ready", vit.backend))
+    kernels = ("hopper" if vit.tower.k.hopper else "generic") if vit.backend == "cupy" else ""
+    conn.send(("ready", vit.backend, kernels, getattr(vit.tower, "check_launches", False)))
     _serve(stager, slots, spec.layout, spec.dtype, conn)
 
 
@@ -259,12 +264,18 @@ class EngineGroup:
     """One engine process per device over one read of the tower, as the stager of a stream
     (pipeline.stream, encode_collection) and as the `vit` it describes (geometry, processor,
     p_max, backend, fingerprint). `backend` "auto" means the GPU here (the devices are GPUs);
-    "numpy" runs CPU engine processes (tests)."""
+    "numpy" runs CPU engine processes (tests). `kernels` (model.KERNELS) is each GPU engine's
+    choice; per-launch checks (GLMVIT_CHECK_LAUNCHES=1) are asked for in the environment, which
+    the engine processes inherit. `engine_settings`: what each engine process runs,
+    (backend, kernel set or "", launches checked), one a device."""
 
     def __init__(self, model_dir: str | Path, devices: Sequence[int] | None, backend: str,
-                 max_pixels: int | None, processor: ProcessorConfig, outputs: Sequence[str], dtype: str) -> None:
+                 max_pixels: int | None, processor: ProcessorConfig, outputs: Sequence[str], dtype: str,
+                 kernels: str = "auto") -> None:
         if dtype not in DTYPES:
             raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        if kernels not in KERNELS:
+            raise GlmVitError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
         backend = "cupy" if backend == "auto" else backend
         devices = all_devices() if devices is None else list(devices)
         location = locate_tower(model_dir)
@@ -274,7 +285,8 @@ class EngineGroup:
         self.p_max = patch_budget(self.geometry, max_pixels)
         self.depth, self.engines = DEPTH * len(devices), len(devices)
         self.backend_note = ""
-        self._turn = threading.Lock()
+        self._stream = StreamTurn(threading.Lock(), "a stream of the same engine group")
+        self.engine_settings: list[tuple[str, str, bool]] = []
         self.layout = _Layout(tuple(outputs), np.dtype(DTYPES[dtype][0]).itemsize, self.geometry.out_hidden_size,
                               self.p_max // self.geometry.merge_unit, self.p_max * 3 * processor.patch_size ** 2)
         self._engines: list[_Engine] = []
@@ -299,7 +311,7 @@ class EngineGroup:
                 spec = _EngineSpec(
                     device, None if backend == "numpy" else (visible_list[device] if visible_list else str(device)),
                     backend, str(tower[0].path), weights.arena.size, location, weights.offsets, weights.bytes_read,
-                    max_pixels, processor, dtype, self.layout, str(slots.path))
+                    max_pixels, processor, dtype, kernels, self.layout, str(slots.path))
                 ours, theirs = context.Pipe()
                 process = context.Process(target=_engine_main, args=(spec, theirs), daemon=True,
                                           name=f"glmvit-cupy engine {device}")
@@ -307,21 +319,20 @@ class EngineGroup:
                 theirs.close()
                 self._engines.append(_Engine(index, device, process, ours, slots))
             del weights, allocate
-            for engine in self._engines:
-                engine.reply()  # ("ready", backend): its engine is built, the tower mapped
+            for engine in self._engines:  # ("ready", ...settings): its engine is built, the tower mapped
+                self.engine_settings.append(tuple(engine.reply()[1:]))
         except BaseException:
-            self.close()
+            self._stop()
             raise
         finally:
             for file in shared:  # every engine has mapped them (or failed): no name is left behind
                 file.unlink()
         # The main process needs no weights: its mapping of the tower goes with `tower`.
 
-    @contextlib.contextmanager
-    def stream_turn(self) -> Iterator[None]:
-        """One stream at a time (pipeline.stream takes it): the engines' slots serve one."""
-        with self._turn:
-            yield
+    def stream_turn(self, what: str = "encode") -> contextlib.AbstractContextManager[None]:
+        """One stream at a time (pipeline.stream takes it, as it takes a GlmVit's): the engines'
+        slots serve one; a stream inside a stream of the same thread is refused."""
+        return self._stream(what)
 
     def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray) -> Pending:
         engine = min(self._engines, key=lambda e: e.in_flight)
@@ -352,7 +363,12 @@ class EngineGroup:
                        engine=engine.index)
 
     def close(self) -> None:
-        """Stop the engine processes (each finishes nothing: results not collected are dropped)."""
+        """Stop the engine processes once a stream another thread runs is done (as GlmVit.close
+        waits); results not collected are dropped."""
+        with self.stream_turn("close"):
+            self._stop()
+
+    def _stop(self) -> None:
         for engine in self._engines:
             try:
                 engine.conn.send(None)

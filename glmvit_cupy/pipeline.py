@@ -16,6 +16,7 @@ that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's collec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -24,6 +25,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -162,6 +164,31 @@ class Encoded:
     error: str | None
     nbytes: int | None = None
     sha256: str | None = None
+
+
+class StreamTurn:
+    """One stream at a time over `lock`, for an engine's owner (GlmVit, devices.EngineGroup) whose
+    stream_turn it is: its decode pool and engine buffers serve one stream. A stream, or a call
+    that waits for one, from inside a stream of the same thread is refused in one line naming
+    `inside` (it would wait for itself)."""
+
+    def __init__(self, lock: Any, inside: str) -> None:
+        self.lock, self.inside = lock, inside
+        self.thread: int | None = None  # the thread running a stream
+
+    def held_here(self) -> bool:
+        return self.thread == threading.get_ident()
+
+    @contextlib.contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        if self.held_here():
+            raise GlmVitError(f"{what} called inside {self.inside}: finish or close that loop first")
+        with self.lock:
+            self.thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self.thread = None
 
 
 @dataclasses.dataclass

@@ -83,14 +83,16 @@ class GlmVitEmbedder:
 
     `model` is anything `GlmVit.from_pretrained` takes, readable on every node. `output`
     ("pooler", "last_hidden", "both") and `dtype` (float32, float16, bfloat16 as uint16 bits)
-    are the CLI's --output and --dtype. `gpu_memory_fraction` caps CuPy's memory pool (default:
-    the GPU share Ray gave this actor, so actors with num_gpus=0.5 each get half). `workers`:
-    decode processes inside the actor (default 0: in the actor's thread; give map_batches
-    num_cpus to match when raising it)."""
+    are the CLI's --output and --dtype, `kernels` its --kernels. `gpu_memory_fraction` caps
+    CuPy's memory pool (default: the GPU share Ray gave this actor, so actors with num_gpus=0.5
+    each get half). `workers`: decode processes inside the actor (default 0: in the actor's
+    thread; give map_batches num_cpus to match when raising it). Per-launch checks follow the
+    actor's own GLMVIT_CHECK_LAUNCHES (a cluster's workers get it through Ray's runtime_env
+    env_vars, not from the driver's shell)."""
 
     def __init__(self, model: str, *, backend: str = "auto", output: str = "pooler", dtype: str = "float32",
-                 max_pixels: int | None = None, gpu_memory_fraction: float | None = None, workers: int = 0,
-                 min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> None:
+                 max_pixels: int | None = None, kernels: str = "auto", gpu_memory_fraction: float | None = None,
+                 workers: int = 0, min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> None:
         from .model import GlmVit, gpu_available
 
         if output not in OUTPUTS:
@@ -103,7 +105,7 @@ class GlmVitEmbedder:
             share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
             fraction = share if gpu_memory_fraction is None else gpu_memory_fraction
             cupy.get_default_memory_pool().set_limit(fraction=min(1.0, fraction))  # before the engine allocates
-        self.vit = GlmVit.from_pretrained(model, backend=backend, max_pixels=max_pixels,
+        self.vit = GlmVit.from_pretrained(model, backend=backend, max_pixels=max_pixels, kernels=kernels,
                                           min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
         self.outputs, self.dtype = OUTPUTS[output], dtype
         processor = self.vit.processor

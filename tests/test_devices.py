@@ -1,6 +1,6 @@
 """`encode --devices`: engine processes behind one pipeline (glmvit_cupy/devices.py), tested on the
 CPU with NumPy engine processes: the same output directory as one engine, bit for bit; a SIGKILL
-and a resume; the mistakes as one line; no shared memory left behind."""
+and a resume; the mistakes as one line; no shared memory left behind; the engines' settings."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from glmvit_cupy.devices import EngineGroup
+from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.model import gpu_available
+from glmvit_cupy.preprocess import processor_config
 from glmvit_cupy.shards import read_embeddings
+from test_gpu_faults import CHECK_LAUNCHES_ENV  # faults.py's name (it imports CuPy), checked there
 from test_pipeline import CLI, kill_after_two_shards_then_resume, make_images, run
 
 SHM = Path("/dev/shm")
@@ -75,6 +79,29 @@ def test_devices_without_a_gpu_is_one_line(tmp_path, tiny_ckpt):
     assert first.returncode == 1 and first.stderr.startswith("glmvit-cupy: error: device 0: backend 'cupy': ")
     assert len(first.stderr.strip().splitlines()) == 1 and "Traceback" not in first.stderr
     assert not (tmp_path / "out").exists() and leftovers() == []
+
+
+def test_engine_processes_get_the_kernels_and_the_launch_checks_asked_for(tiny_ckpt, monkeypatch):
+    """The kernel set goes to each engine in its spec (checked before anything starts); the
+    per-launch checks in the environment the spawned engines inherit. The group's stream turn
+    refuses what its own stream's thread cannot wait for."""
+    processor, _ = processor_config(tiny_ckpt)
+    args = (tiny_ckpt, [0, 1], "numpy", 300 * 196, processor, ("pooler_output",), "float32")
+    with pytest.raises(GlmVitError, match=r"^kernels 'sm80': expected one of auto, generic, hopper$"):
+        EngineGroup(*args, kernels="sm80")
+    monkeypatch.setenv(CHECK_LAUNCHES_ENV, "1")
+    group = EngineGroup(*args, kernels="generic")
+    try:
+        assert group.engine_settings == [("numpy", "", False)] * 2  # a GPU engine names its set (gpu test)
+        for engine in group._engines:
+            environ = Path(f"/proc/{engine.process.pid}/environ").read_bytes().split(b"\0")
+            assert f"{CHECK_LAUNCHES_ENV}=1".encode() in environ
+        with group.stream_turn():
+            with pytest.raises(GlmVitError, match="^close called inside a stream of the same engine group: finish or close that loop first$"):
+                group.close()
+    finally:
+        group.close()
+    assert group._engines == []
 
 
 def test_the_main_process_imports_neither_cupy_nor_ray():
