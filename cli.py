@@ -22,13 +22,13 @@ from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
 from glmvit_cupy.pipeline import DEFAULT_WORKERS, OUTPUTS
+from glmvit_cupy.shards import DEFAULT_SHARD_SIZE
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.staging import DTYPES
 from glmvit_cupy.writer import write_atomic
 
 MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
               "org/name[@revision] already in the local cache (never downloaded).")
-DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way redoes
 
 
 def fail(message: str, status: int = 1) -> None:
@@ -136,12 +136,19 @@ encodes only what is missing.""")
               help="Pixel budget of one forward call, all images packed into it together (sizes the "
                    f"GPU scratch). [default: one image of {MAX_IMAGE_TOKENS} merged tokens, whatever "
                    "--max-image-tokens says]")
+@click.option("--devices", default=None, metavar="all|0,1,...",
+              help="One engine process per GPU (--out-dir): the tower read once, one decode pool, one "
+                   "output directory. With --backend numpy, CPU engine processes. [default: one engine, "
+                   "in this process]")
+@click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
+              help="The GPU engine's kernels (every engine's, with --devices): auto takes the Hopper ones on "
+                   "sm_90, else the generic ones; generic or hopper forces a set.")
 @processor_options
 @user_errors
 def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_path: Path | None,
            out_dir: Path | None, backend: str, which: str, dtype: str | None, shard_size: int, workers: int,
-           fail_fast: bool, quiet: bool, max_pixels: int | None, min_image_tokens: int | None,
-           max_image_tokens: int | None) -> None:
+           fail_fast: bool, quiet: bool, max_pixels: int | None, devices: str | None, kernels: str,
+           min_image_tokens: int | None, max_image_tokens: int | None) -> None:
     """Encode images (INPUTS: files, directories, quoted glob patterns, .tar shards) into
     embeddings.
 
@@ -163,6 +170,12 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
 
     if (out_path is None) == (out_dir is None):
         raise GlmVitError("give exactly one of --out FILE (a few images) and --out-dir DIR (a collection)")
+    if devices is not None and out_dir is None:
+        raise GlmVitError("--devices applies to --out-dir collections; --out encodes a few images on one engine")
+    device_list = None
+    if devices is not None:
+        from glmvit_cupy.devices import parse_devices
+        device_list = parse_devices(devices)
     if not inputs and files_from is None:
         raise GlmVitError("no inputs: name image files, directories, patterns or .tar shards, or --files-from")
     sources = expand_inputs(inputs, files_from)
@@ -178,16 +191,25 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     check_processor(processor, load_geometry(directory))
     decoder = Decoder(min(workers, len(sources)), processor)
     decoder.start()  # the workers come up while the tower is read
+    group = None
     try:
-        vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, **budget)
+        if devices is None:
+            vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, kernels=kernels,
+                                         **budget)
+        else:
+            from glmvit_cupy.devices import EngineGroup
+            vit = group = EngineGroup(directory, device_list, backend, max_pixels, processor, OUTPUTS[which],
+                                      dtype or "bfloat16", kernels)
         if vit.backend_note and vit.backend == "numpy":
             click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
         if out_path is not None:
             _encode_to_file(vit, sources, out_path, which, decoder, processor)
         else:
             _encode_to_dir(vit, sources, out_dir, which, dtype or "bfloat16", shard_size, decoder, processor,
-                           fail_fast, quiet)
+                           fail_fast, quiet, group)
     finally:
+        if group is not None:
+            group.close()
         decoder.close()
 
 
@@ -226,21 +248,25 @@ def _encode_to_file(vit, sources, out_path: Path, which: str, decoder, processor
 
 
 def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_size: int, decoder, processor,
-                   fail_fast: bool, quiet: bool) -> None:
-    """A collection into resumable shards, with progress and a summary line."""
+                   fail_fast: bool, quiet: bool, group) -> None:
+    """A collection into resumable shards, with progress and a summary line; `group` (--devices)
+    is the stager of its engine processes."""
     from glmvit_cupy.pipeline import encode_collection
     from glmvit_cupy.progress import Progress
 
     progress = Progress(quiet)
     try:
         summary = encode_collection(vit, sources, out_dir, shard_size=shard_size, output=which, dtype=dtype,
-                                    processor=processor, fail_fast=fail_fast, progress=progress, decoder=decoder)
+                                    processor=processor, fail_fast=fail_fast, progress=progress, decoder=decoder,
+                                    stager=group)
     except KeyboardInterrupt:
         progress.close()
         fail(f"interrupted after {progress.done} image(s); the finished shards are in {out_dir}: "
              "run the same command again to encode the rest", status=130)
     progress.close()
-    busy = "n/a (NumPy backend)" if summary.gpu_busy is None else f"{100 * summary.gpu_busy:.0f}%"
+    busy = "n/a (NumPy backend)" if summary.gpu_busy is None else " ".join(f"{100 * b:.0f}%" for b in summary.gpu_busy)
+    if group is not None and summary.gpu_busy is not None:
+        busy += f" (devices {','.join(map(str, group.devices))})"
     click.echo(f"glmvit-cupy: encoded {summary.encoded}, skipped {summary.skipped}, failed {summary.failed} in "
                f"{summary.wall_s:.1f}s: {summary.images_per_s:.1f} images/s, {summary.tokens_per_s:,.0f} tokens/s, "
                f"GPU busy {busy}", err=True)

@@ -59,6 +59,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -119,12 +120,14 @@ class TreeRss(threading.Thread):
             self.done.wait(SAMPLE_S)
 
 
-def run_cli(inputs: list[str], model: Path, out_dir: Path, workers: int, backend: str) -> dict:
-    """One `glmvit-cupy encode` subprocess: its parsed summary, wall time and peak RSS."""
+def run_cli(inputs: list[str], model: Path, out_dir: Path, workers: int, backend: str,
+            extra: Sequence[str] = ()) -> dict:
+    """One `glmvit-cupy encode` subprocess (`extra`: more of its options): its parsed summary,
+    wall time and peak RSS. `gpu_busy` is the mean over the devices, `gpu_busy_each` one each."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         report = Path(f.name)
     command = [sys.executable, "-c", CLI_WRAPPER, str(report), "encode", *inputs, "--model", str(model),
-               "--out-dir", str(out_dir), "--workers", str(workers), "--backend", backend, "--quiet"]
+               "--out-dir", str(out_dir), "--workers", str(workers), "--backend", backend, "--quiet", *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -142,11 +145,11 @@ def run_cli(inputs: list[str], model: Path, out_dir: Path, workers: int, backend
     if match is None:
         raise GlmVitError(f"glmvit-cupy encode: cannot read its summary line {lines[-1]!r}")
     encoded, skipped, failed = (int(match.group(i)) for i in (1, 2, 3))
-    busy = match.group(5)
+    busy = [float(b) / 100 for b in re.findall(r"(\d+)%", match.group(5))]  # "n/a" on the NumPy backend
     main_kib = int(report.read_text())
     report.unlink()
     return dict(encoded=encoded, skipped=skipped, failed=failed, pipeline_wall_s=float(match.group(4)),
-                gpu_busy=float(busy[:-1]) / 100 if busy.endswith("%") else None,
+                gpu_busy=sum(busy) / len(busy) if busy else None, gpu_busy_each=busy,
                 process_wall_s=round(wall, 2), summary_line=lines[-1],
                 rss_main_mib=round(main_kib / 1024, 1), rss_largest_worker_mib=round(sampler.largest_kib / 1024, 1),
                 rss_tree_sampled_mib=round(sampler.total_kib / 1024, 1),
@@ -164,12 +167,14 @@ def read_records(out_dir: Path) -> tuple[int, int, int]:
     return records, tokens, size
 
 
-def end_to_end(files: list[str], collection: Path, model: Path, workers: int, backend: str) -> dict:
-    """The warm-up run, then the measured run into a fresh directory (removed afterwards)."""
+def end_to_end(files: list[str], collection: Path, model: Path, workers: int, backend: str,
+               extra: Sequence[str] = ()) -> dict:
+    """The warm-up run, then the measured run into a fresh directory (removed afterwards);
+    `extra`: more options of both (devices.py's --devices)."""
     scratch = Path(tempfile.mkdtemp(prefix="glmvit-e2e-"))
     try:
-        run_cli(files[:WARMUP_FILES], model, scratch / "warmup", workers, backend)
-        result = run_cli([str(collection)], model, scratch / "out", workers, backend)
+        run_cli(files[:WARMUP_FILES], model, scratch / "warmup", workers, backend, extra)
+        result = run_cli([str(collection)], model, scratch / "out", workers, backend, extra)
         records, tokens, size = read_records(scratch / "out")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -335,8 +340,11 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def benchmark_main(description: str, run: Callable, results: tuple[str, str],
+                   more: Callable[[argparse.ArgumentParser], None] = lambda ap: None) -> None:
+    """The command line of a benchmark of this collection through the CLI (this one, devices.py):
+    `run(args, collection, out)`; `results`: its JSON record's name on cupy and on numpy."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     ap.add_argument("--backend", choices=["cupy", "numpy"], default="cupy")
     ap.add_argument("--images", type=int, default=1000, help="photos in the collection")
@@ -346,25 +354,41 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="decode workers of the CLI (and of the untimed preprocessing) [default: cores - 1]")
     ap.add_argument("--out", type=Path, default=None,
-                    help="JSON record [default: benchmarks/results/h200-e2e.json, cpu-e2e.json on numpy]")
+                    help=f"JSON record [default: benchmarks/results/{results[0]}, {results[1]} on numpy]")
+    more(ap)
     args = ap.parse_args()
     collection = args.collection or Path(tempfile.gettempdir()) / f"glmvit-e2e-photos-{args.images}-{args.seed}"
-    out = args.out or REPO / "benchmarks" / "results" / ("h200-e2e.json" if args.backend == "cupy" else "cpu-e2e.json")
+    out = args.out or REPO / "benchmarks" / "results" / results[args.backend != "cupy"]
     try:
         run(args, collection, out)
     except GlmVitError as exc:
-        sys.exit(f"e2e: error: {exc}")
+        sys.exit(f"{Path(sys.argv[0]).stem}: error: {exc}")
 
 
-def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
+def load_collection(args: argparse.Namespace, collection: Path) -> tuple[dict, list[str]]:
+    """Build (or reuse) the collection: its manifest and its files in the CLI's own order."""
     t0 = time.perf_counter()
     manifest = build_collection(collection, args.images, args.seed)
-    files = [s.path for s in expand_inputs([str(collection)])]  # the CLI's own order
+    files = [s.path for s in expand_inputs([str(collection)])]
     if len(files) != args.images:
         raise GlmVitError(f"{collection}: {len(files)} images found, the manifest lists {args.images}")
     print(f"collection {collection}: {len(files)} photos ({manifest['jpeg']} JPEG, {manifest['png']} PNG) "
           f"from {len(manifest['colour_sources']) + len(manifest['grey_sources'])} bundled photographs, "
           f"ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return manifest, files
+
+
+def save(record: dict, table: str, out: Path) -> None:
+    """The JSON record and its table under benchmarks/results/, the table on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
+    t0 = time.perf_counter()
+    manifest, files = load_collection(args, collection)
 
     ours = end_to_end(files, collection, args.model, args.workers, args.backend)
     print(f"ours end to end: {ours['summary_line']}", file=sys.stderr, flush=True)
@@ -393,12 +417,8 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
                   ratio_e2e_forward=round(ours["images_per_s"] / fwd["images_per_s"], 3),
                   ratio_ours_transformers=round(ours["images_per_s"] / hf["images_per_s"], 2),
                   env=environment(args.backend), benchmark_wall_s=round(time.perf_counter() - t0, 1))
-    table = markdown(record)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    save(record, markdown(record), out)
 
 
 if __name__ == "__main__":
-    main()
+    benchmark_main(__doc__, run, ("h200-e2e.json", "cpu-e2e.json"))

@@ -21,6 +21,8 @@ Layout, one concern a module:
   staging     batches of uint8 canvases to an engine and back: pinned buffers, a copy stream
   shards      the resumable output directory (safetensors shards + jsonl metadata), read_embeddings
   progress    the bar / log lines of a collection run
+  devices     every GPU of a host: engine processes behind one pipeline (encode --devices)
+  ray         many hosts: a Ray Data actor and shard sink (the optional [ray] extra; imported by nothing here)
 """
 
 from .errors import GlmVitError

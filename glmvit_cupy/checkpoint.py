@@ -32,7 +32,7 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -402,18 +402,23 @@ def nonfinite_values(bits: np.ndarray) -> tuple[int, int]:
     return count, first
 
 
-def read_tower(location: TowerLocation) -> TowerWeights:
+def zeroed_arena(elements: int) -> np.ndarray:
+    """A private host arena: calloc'd, so the alignment padding between groups is deterministic,
+    not whatever the heap held (pages are zeroed on first touch, which the reads do anyway)."""
+    return np.zeros(elements, dtype=np.uint16)
+
+
+def read_tower(location: TowerLocation, allocate: Callable[[int], np.ndarray] = zeroed_arena) -> TowerWeights:
     """pread exactly the tower's byte ranges into one uint16 arena, several tensors at a time
     (preadv releases the GIL; one thread copies from the page cache at ~5 GB/s, not enough
     for a 1.05 GiB tower to be ready within a second).
 
     Each tensor is scanned for NaN / Inf as it lands (one NaN weight makes every embedding
     NaN) and the tower is refused by tensor name if any has one. Both backends start from this
-    arena (the GPU engine uploads it as is), so this one host check covers both."""
+    arena (the GPU engine uploads it as is), so this one host check covers both. `allocate`
+    returns the zeroed uint16 arena of a given length (devices.py's lives in shared memory)."""
     offsets, total = _arena_layout(location)
-    # Zeroed (calloc: pages are zeroed on first touch, which the reads do anyway), so the
-    # alignment padding between groups is deterministic, not whatever the heap held.
-    arena = np.zeros(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2, dtype=np.uint16)
+    arena = allocate(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2)
     as_bytes = memoryview(arena).cast("B")
     fds: dict[Path, int] = {}
 

@@ -31,7 +31,7 @@ from .errors import GlmVitError
 from .geometry import GlmVitGeometry, patch_budget
 from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
-from .pipeline import DEFAULT_WORKERS, Decoder, stream_in_turn
+from .pipeline import DEFAULT_WORKERS, Decoder, StreamTurn, stream_in_turn
 from .staging import OUTPUT_NAMES, make_stager
 from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, processor_config,
                          with_settings)
@@ -145,8 +145,8 @@ class GlmVit:
         self._turns = threading.Lock() if backend == "cupy" else contextlib.nullcontext()  # forward
         # One encode stream at a time: streams share the decode pool (rebuilt for other settings)
         # and, on the GPU, the engine's buffers, which forward uses too (the same lock there).
-        self._streams = self._turns if backend == "cupy" else threading.Lock()
-        self._streaming: int | None = None  # the thread running an encode stream
+        self._streams = StreamTurn(self._turns if backend == "cupy" else threading.Lock(),
+                                   "an encode_iter loop of the same GlmVit")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backend: str = "auto", max_pixels: int | None = None,
@@ -225,7 +225,7 @@ class GlmVit:
         if tuple(pixel_values.shape) != (patches, geo.patch_dim):
             raise GlmVitError(f"pixel_values has shape {list(pixel_values.shape)}; grid_thw needs "
                               f"[{patches}, {geo.patch_dim}]")
-        if self.backend == "cupy" and self._streaming == threading.get_ident():
+        if self.backend == "cupy" and self._streams.held_here():
             raise GlmVitError("forward called inside an encode_iter loop of the same GPU GlmVit (whose batches "
                               "are staged in the engine's buffers): finish or close that loop first")
         with self._turns:
@@ -263,20 +263,11 @@ class GlmVit:
                 yield result.item, GlmVitOutput(result.arrays["last_hidden_state"],
                                                 result.arrays["pooler_output"], result.grid_thw[None], one)
 
-    @contextlib.contextmanager
-    def stream_turn(self, what: str = "encode") -> Iterator[None]:
+    def stream_turn(self, what: str = "encode") -> contextlib.AbstractContextManager[None]:
         """This GlmVit's encode-stream turn, held while a stream runs (pipeline.stream and
         encode_iter take it): one stream at a time, since streams share the decode pool and, on
         the GPU, the engine's buffers. A stream inside a stream of the same thread is refused."""
-        if self._streaming == threading.get_ident():
-            raise GlmVitError(f"{what} called inside an encode_iter loop of the same GlmVit: finish or close "
-                              "that loop first")
-        with self._streams:
-            self._streaming = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._streaming = None
+        return self._streams(what)
 
     def encode(self, images: ImageLike | Sequence[ImageLike], *, workers: int | None = None,
                min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> list[GlmVitOutput]:

@@ -16,6 +16,7 @@ that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's collec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -24,6 +25,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -164,11 +166,36 @@ class Encoded:
     sha256: str | None = None
 
 
+class StreamTurn:
+    """One stream at a time over `lock`, for an engine's owner (GlmVit, devices.EngineGroup) whose
+    stream_turn it is: its decode pool and engine buffers serve one stream. A stream, or a call
+    that waits for one, from inside a stream of the same thread is refused in one line naming
+    `inside` (it would wait for itself)."""
+
+    def __init__(self, lock: Any, inside: str) -> None:
+        self.lock, self.inside = lock, inside
+        self.thread: int | None = None  # the thread running a stream
+
+    def held_here(self) -> bool:
+        return self.thread == threading.get_ident()
+
+    @contextlib.contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        if self.held_here():
+            raise GlmVitError(f"{what} called inside {self.inside}: finish or close that loop first")
+        with self.lock:
+            self.thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self.thread = None
+
+
 @dataclasses.dataclass
 class StreamStats:
     tokens: int = 0
     batches: int = 0
-    gpu_ms: float = 0.0
+    gpu_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # per engine of the stager
 
 
 def stream(vit, items: Iterable[Any], **options: Any) -> Iterator[Encoded]:
@@ -185,13 +212,16 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
                    stager: Any = None) -> Iterator[Encoded]:
     """stream, for a caller that holds vit.stream_turn(). `decoder` and `stager`
     (staging.make_stager for these outputs, dtype and processor) may be kept by the caller
-    across streams; by default each stream makes its own."""
+    across streams; by default each stream makes its own (devices.EngineGroup is the stager of
+    its engine processes)."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     if dtype not in DTYPES:
         raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     stats = stats if stats is not None else StreamStats()
     stager = stager or make_stager(vit, outputs, dtype, processor)
+    for engine in range(stager.engines):
+        stats.gpu_ms.setdefault(engine, 0.0)
     own = decoder is None
     decoder = decoder or Decoder(workers, processor)
     order: deque[list] = deque()  # [item, Encoded or None] per input, in input order
@@ -209,7 +239,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
         pending, members = in_flight.popleft()
         arrays = pending.result()
         stats.batches += 1
-        stats.gpu_ms += pending.gpu_ms
+        stats.gpu_ms[pending.engine] += pending.gpu_ms
         ok = pending.finite
         for i, (slot, prep) in enumerate(members):
             a, b = int(pending.offsets[i]), int(pending.offsets[i + 1])
@@ -237,7 +267,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
                 n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
                 if batch and patches + n > vit.p_max:
                     submit()
-                    while len(in_flight) > 1:  # two on the engine: k+1 uploads while k computes
+                    while len(in_flight) >= stager.depth:  # one engine: k+1 uploads while k computes
                         collect()
                 batch.append((slot, prep))
                 patches += n
@@ -261,7 +291,7 @@ class RunSummary:
     failed: int
     tokens: int
     wall_s: float
-    gpu_busy_s: float | None  # the engine stream's busy time (None on the NumPy backend)
+    gpu_busy_s: tuple[float, ...] | None  # each engine stream's busy time (None on the NumPy backend)
 
     @property
     def images_per_s(self) -> float:
@@ -272,20 +302,21 @@ class RunSummary:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
     @property
-    def gpu_busy(self) -> float | None:
-        return None if self.gpu_busy_s is None or not self.wall_s else self.gpu_busy_s / self.wall_s
+    def gpu_busy(self) -> tuple[float, ...] | None:
+        """Each engine's busy fraction of the run."""
+        return None if self.gpu_busy_s is None or not self.wall_s else tuple(b / self.wall_s for b in self.gpu_busy_s)
 
 
 def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, workers: int = DEFAULT_WORKERS,
                       shard_size: int, output: str = "pooler", dtype: str = "bfloat16",
                       processor: ProcessorConfig | None = None, fail_fast: bool = False,
-                      progress: Any = None, decoder: Decoder | None = None) -> RunSummary:
+                      progress: Any = None, decoder: Decoder | None = None, stager: Any = None) -> RunSummary:
     """Encode `sources` into shards in `out_dir`, skipping those already there (resume).
-    `progress` (progress.Progress) hears `start(inputs to do)`, then `(Encoded, stats)` per input."""
+    `progress` (progress.Progress) hears `start(inputs to do)`, then `(Encoded, stats)` per input.
+    `stager`: as stream's (devices.EngineGroup spreads the batches over engine processes)."""
     outputs = OUTPUTS[output]
     processor = processor or vit.processor
-    metadata = {"format": FORMAT, "tower": vit.fingerprint, "outputs": ",".join(outputs),
-                "dtype": dtype, "processor": processor_json(processor)}
+    metadata = shard_metadata(vit, outputs, dtype, processor)
     start = time.perf_counter()
     directory = OutputDir(Path(out_dir), metadata)
     try:
@@ -297,7 +328,7 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
             progress.start(len(todo))
         try:
             for result in stream(vit, todo, outputs=outputs, dtype=dtype, workers=workers, processor=processor,
-                                 stats=stats, decoder=decoder):
+                                 stats=stats, decoder=decoder, stager=stager):
                 if result.error is not None:
                     failures.append({**result.item.record(), "error": result.error})
                     directory.write_failures(failures)
@@ -318,12 +349,15 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
             raise
         finally:
             directory.write_failures(failures)
-        busy = stats.gpu_ms / 1000 if vit.backend == "cupy" else None
+        busy = tuple(ms / 1000 for _, ms in sorted(stats.gpu_ms.items())) if vit.backend == "cupy" else None
         return RunSummary(encoded, len(sources) - len(todo), len(failures), stats.tokens,
                           time.perf_counter() - start, busy)
     finally:
         directory.close()
 
 
-def processor_json(processor: ProcessorConfig) -> str:
-    return json.dumps(dataclasses.asdict(processor), sort_keys=True)
+def shard_metadata(vit, outputs: Sequence[str], dtype: str, processor: ProcessorConfig) -> dict[str, str]:
+    """What every shard's header records of the settings that made it (a resume, or a reader of
+    several directories, refuses shards made otherwise)."""
+    return {"format": FORMAT, "tower": vit.fingerprint, "outputs": ",".join(outputs), "dtype": dtype,
+            "processor": json.dumps(dataclasses.asdict(processor), sort_keys=True)}

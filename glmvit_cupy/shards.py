@@ -28,7 +28,7 @@ import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -40,6 +40,8 @@ from .writer import create_temp, fsync_dir, is_temp, write_atomic
 SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
 FORMAT = "glmvit-cupy embeddings 1"
 FAILURES = "failures.jsonl"
+DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way redoes
+SETTINGS = ("format", "tower", "outputs", "dtype", "processor")  # the metadata shards of one collection share
 _MAX_INT = 10 ** 20 - 1  # more digits than any int64 a header holds
 
 
@@ -300,7 +302,7 @@ class OutputDir:
         self.next_index = 0
         for index, shard, jsonl in complete_shards(self.directory):
             theirs = read_header(shard)[0].get("__metadata__", {})
-            for field in ("format", "tower", "outputs", "dtype", "processor"):
+            for field in SETTINGS:
                 if theirs.get(field) != metadata.get(field):
                     raise GlmVitError(
                         f"{shard}: made with {field} {theirs.get(field)!r}, this run has {metadata.get(field)!r}; "
@@ -337,15 +339,42 @@ def record_key(record: dict) -> str:
     return record["path"] if record.get("member") is None else f"{record['path']}::{record['key']}"
 
 
-def read_embeddings(directory: str | Path) -> Iterator[tuple[dict, dict[str, np.ndarray]]]:
-    """Every image of a finished output directory, in shard and row order: (its metadata line,
-    {output name: float32 [tokens, out_hidden], "grid_thw": int64 [3]}). Shards are memory-mapped,
-    so a collection of any size is read one image at a time."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise GlmVitError(f"{directory}: not a directory")
-    for _, shard, jsonl in complete_shards(directory):
-        header, data_start = read_header(shard)
+Directories = str | Path | Iterable[str | Path]
+
+
+def _shards_of(directories: Directories) -> Iterator[tuple[Path, Path, dict, int]]:
+    """(.safetensors, .jsonl, header, where its data starts) of every finished shard of one or more output directories (one
+    collection: each host's, or each Ray write task's, directory), refusing shards whose
+    settings differ from the first's."""
+    if isinstance(directories, (str, Path)):
+        directories = [directories]
+    first: tuple[Path, dict] | None = None
+    for directory in map(Path, directories):
+        if not directory.is_dir():
+            raise GlmVitError(f"{directory}: not a directory")
+        for _, shard, jsonl in complete_shards(directory):
+            header, data_start = read_header(shard)
+            theirs = header.get("__metadata__", {})
+            if first is None:
+                first = shard, theirs
+            for field in SETTINGS:
+                if theirs.get(field) != first[1].get(field):
+                    raise GlmVitError(f"{shard}: made with {field} {theirs.get(field)!r}, {first[0]} with "
+                                      f"{first[1].get(field)!r}: not one collection")
+            yield shard, jsonl, header, data_start
+
+
+def read_records(directories: Directories) -> Iterator[dict]:
+    """The metadata line of every image of one or more finished output directories (what is done)."""
+    for _, jsonl, _, _ in _shards_of(directories):
+        yield from _records(jsonl)
+
+
+def read_embeddings(directories: Directories) -> Iterator[tuple[dict, dict[str, np.ndarray]]]:
+    """Every image of one or more finished output directories, in directory, shard and row
+    order: (its metadata line, {output name: float32 [tokens, out_hidden], "grid_thw": int64 [3]}).
+    Shards are memory-mapped, so a collection of any size is read one image at a time."""
+    for shard, jsonl, header, data_start in _shards_of(directories):
         raw = np.memmap(shard, dtype=np.uint8, mode="r")
         names = [n for n in header if n not in ("__metadata__", "grid_thw", "offsets")]
         views = {}

@@ -70,9 +70,10 @@ class Pending:
     in any output), `grid_thw` and `offsets` describe it."""
 
     def __init__(self, grid_thw: np.ndarray, offsets: np.ndarray, arrays: dict | None = None,
-                 finite: np.ndarray | None = None, collect=None) -> None:
+                 finite: np.ndarray | None = None, collect=None, engine: int = 0) -> None:
         self.grid_thw, self.offsets = grid_thw, offsets
         self._arrays, self.finite, self._collect = arrays, finite, collect
+        self.engine = engine  # which of the stager's engines ran it (devices.EngineGroup has several)
         self.gpu_ms = 0.0  # the engine stream's time on this batch (CUDA events), 0 on the CPU
 
     def result(self) -> dict[str, np.ndarray]:
@@ -84,6 +85,9 @@ class Pending:
 
 class NumpyStager:
     """The NumPy backend's side of the interface: patchify with the same table, forward, cast."""
+
+    depth = 2  # batches a stream keeps submitted (the CUDA stager's; here submit does the work)
+    engines = 1
 
     def __init__(self, tower, outputs: Sequence[str], dtype: str, processor: ProcessorConfig) -> None:
         self.tower, self.outputs, self.dtype, self.processor = tower, tuple(outputs), dtype, processor
@@ -99,6 +103,9 @@ class NumpyStager:
 
 class CupyStager:
     """Pinned slots, the upload and download streams and the device buffers around one CupyTower."""
+
+    depth = 2  # batches a stream keeps submitted: k + 1 uploads while k computes (two slots)
+    engines = 1
 
     def __init__(self, tower, outputs: Sequence[str], dtype: str, processor: ProcessorConfig) -> None:
         import cupy

@@ -117,8 +117,47 @@ def test_encode_iter_equals_forward_and_keeps_the_gpu_busy(vit, tmp_path):
     start = time.perf_counter()
     n = sum(1 for _ in stream(vit, paths * 4, outputs=("pooler_output",), dtype="bfloat16", stats=stats))
     wall = time.perf_counter() - start
-    busy = stats.gpu_ms / 1000 / wall
+    busy = stats.gpu_ms[0] / 1000 / wall
     print(f"stream: {n} images in {wall:.2f} s ({n / wall:.1f} images/s, {stats.tokens / wall:,.0f} tokens/s), "
           f"{stats.batches} batches, GPU busy {100 * busy:.0f}%"
           + (" (launches checked one by one: not a speed figure)" if vit.tower.check_launches else ""))
     assert n == 4 * len(paths) and 0 < busy <= 1.0
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_devices_write_what_one_engine_writes(tmp_path, real_ckpt, kernels):
+    """`encode --devices all --kernels K` (engine processes, the tower mapped from /dev/shm)
+    writes the same bits as the engine in the CLI's own process with the same kernels: each
+    image's batch is the same batch. One GPU exercises the whole path; on more, batches spread
+    over them. Each engine process runs the kernel set asked for, with this process's per-launch
+    checks (GLMVIT_CHECK_LAUNCHES, inherited)."""
+    import subprocess
+    import sys
+
+    from glmvit_cupy.devices import EngineGroup
+    from glmvit_cupy.faults import check_launches
+    from glmvit_cupy.preprocess import processor_config
+
+    skip_unless_available(kernels)
+    processor, _ = processor_config(real_ckpt)
+    group = EngineGroup(real_ckpt, [0], "cupy", None, processor, ("pooler_output",), "bfloat16", kernels)
+    try:
+        assert group.engine_settings == [("cupy", kernels, check_launches())]
+    finally:
+        group.close()
+    for i, (h, w) in enumerate(SIZES * 3):
+        Image.fromarray(photo_like(h, w, seed=i)).save(tmp_path / f"img{i:02d}.png")
+    outs = {}
+    for name, extra in (("one", []), ("devices", ["--devices", "all"])):
+        outs[name] = tmp_path / name
+        proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "encode", str(tmp_path),
+                               "--model", str(real_ckpt), "--out-dir", str(outs[name]), "--backend", "cupy",
+                               "--kernels", kernels, "--shard-size", "10", "--workers", "2", "--quiet", *extra],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        print(f"({name}, {kernels}) {proc.stderr.strip().splitlines()[-1]}")
+    assert "(devices " in proc.stderr
+    names = sorted(p.name for p in outs["one"].iterdir())
+    assert names == sorted(p.name for p in outs["devices"].iterdir()) and len(names) == 6
+    for name in names:
+        assert (outs["one"] / name).read_bytes() == (outs["devices"] / name).read_bytes(), name

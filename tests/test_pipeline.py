@@ -140,26 +140,31 @@ def test_shards_read_with_safetensors_and_numpy_alone(tmp_path, tiny, vit):
     assert ours[0][1]["last_hidden_state"].dtype == np.float32
 
 
+def kill_after_two_shards_then_resume(args: list[str], out: Path, paths: list[Path], shard_size: int) -> None:
+    """SIGKILL the whole process group of the command `args` once two shards are done, run it
+    again: it skips what is done and ends with exactly one record per input."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    while len(list(out.glob("shard-*.jsonl"))) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the main process, its decode workers (and any engine processes)
+    proc.wait()
+    done = records(out)
+    assert 2 * shard_size <= len(done) < len(paths), "the kill should land mid-run"
+    resumed = subprocess.run(args, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipped {len(done)}" in resumed.stderr
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # the killed run's temp files are gone
+    assert sorted(r["path"] for r in records(out)) == sorted(str(p) for p in paths)  # exactly one each
+
+
 def test_sigkill_then_resume_gives_one_record_per_input(tmp_path, tiny, vit):
     paths = make_images(tmp_path / "img", 60, seed=2)
     out = tmp_path / "out"
     args = [*CLI, "encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
             "--shard-size", "4", "--dtype", "float32", "--workers", "1", "--quiet",
             "--max-pixels", str(600 * 196)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.time() + 120
-    while len(list(out.glob("shard-*.jsonl"))) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done = records(out)
-    assert 8 <= len(done) < len(paths), "the kill should land mid-run"
-    resumed = subprocess.run(args, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"skipped {len(done)}" in resumed.stderr
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # the killed run's temp files are gone
-    final = records(out)
-    assert sorted(r["path"] for r in final) == sorted(str(p) for p in paths)  # exactly one each
+    kill_after_two_shards_then_resume(args, out, paths, shard_size=4)
     by_path = {r["path"]: emb for r, emb in read_embeddings(out)}
     for path in paths:
         assert rel_err(by_path[str(path)]["pooler_output"], expected(vit, path)) <= 1e-5
@@ -309,3 +314,18 @@ def test_a_full_disk_is_one_line_and_leaves_whole_shards(tmp_path, tiny):
     again = run("encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
                 "--workers", "1", "--shard-size", "5")
     assert again.returncode == 0 and "skipped 5" in again.stderr and len(records(out)) == 12
+
+
+def test_several_directories_read_as_one_collection(tmp_path, tiny):
+    """The output of several hosts is merged by reading their directories together; one made
+    with other settings is refused, naming both."""
+    a, b = make_images(tmp_path / "a", 2, seed=13), make_images(tmp_path / "b", 2, seed=14)
+    for name, images, extra in (("a", "a", []), ("b", "b", []), ("c", "b", ["--dtype", "float32"])):
+        proc = run("encode", str(tmp_path / images), "--model", tiny, "--out-dir", str(tmp_path / f"out_{name}"),
+                   "--backend", "numpy", "--workers", "0", *extra)
+        assert proc.returncode == 0, proc.stderr
+    merged = [r["path"] for r, _ in read_embeddings([tmp_path / "out_a", tmp_path / "out_b"])]
+    assert merged == [str(p) for p in a + b]
+    with pytest.raises(GlmVitError, match=r"made with dtype 'float32', .*shard-00000.safetensors with 'bfloat16': "
+                                          "not one collection"):
+        list(read_embeddings([tmp_path / "out_a", tmp_path / "out_c"]))

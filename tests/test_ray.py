@@ -1,0 +1,86 @@
+"""glmvit_cupy.ray on a local Ray cluster (NumPy backend, tiny checkpoint): rows of bytes and of
+paths come back with what `encode` writes, and examples/ray_embed.py, joining the cluster as a
+second host would, writes parts that read as one collection equal to `encode`'s output directory
+and resumes. CI installs the [ray] extra; a machine without it (the GPU check) skips this file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+
+from glmvit_cupy.ray import GlmVitEmbedder, parts  # noqa: E402
+from glmvit_cupy.shards import read_embeddings, read_records, record_key  # noqa: E402
+from helpers import rel_err  # noqa: E402
+from test_pipeline import make_images, run  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ray_embed.py"
+TOLERANCE = 1e-5  # float32 outputs of other batches of the same images (test_pipeline's batched vs alone)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def encoded(images: list[str], model: Path, out: Path) -> dict[str, tuple[dict, dict]]:
+    proc = run("encode", *images, "--model", str(model), "--out-dir", str(out), "--backend", "numpy",
+               "--dtype", "float32", "--workers", "1", "--quiet")
+    assert proc.returncode in (0, 1), proc.stderr  # 1: an input failed, as some tests mean
+    return {record_key(r): (r, a) for r, a in read_embeddings(out)}
+
+
+def same_record(ours: dict, theirs: dict) -> bool:
+    return {k: v for k, v in ours.items() if k != "rows"} == {k: v for k, v in theirs.items() if k != "rows"}
+
+
+def test_rows_of_bytes_come_back_as_encode_writes_them(tmp_path, tiny_ckpt, cluster):
+    paths = make_images(tmp_path / "img", 6, seed=10)
+    ds = ray.data.read_binary_files(str(tmp_path / "img"), include_paths=True)  # rows: bytes, path
+    rows = ds.map_batches(GlmVitEmbedder, fn_constructor_kwargs={"model": str(tiny_ckpt), "backend": "numpy"},
+                          compute=ray.data.ActorPoolStrategy(size=1), batch_size=4).take_all()
+    want = encoded([str(p) for p in paths], tiny_ckpt, tmp_path / "out")
+    assert sorted(r["path"] for r in rows) == sorted(want)
+    for row in rows:
+        record, arrays = want[row["path"]]
+        assert row["error"] == "" and row["sha256"] == record["sha256"] and row["nbytes"] == record["bytes"]
+        assert row["grid_thw"].tolist() == record["grid_thw"] and row["member"] is None
+        assert row["pooler_output"].dtype == np.float32
+        assert rel_err(row["pooler_output"], arrays["pooler_output"]) <= TOLERANCE
+
+
+def test_example_writes_one_collection_and_resumes(tmp_path, tiny_ckpt, cluster):
+    folder = make_images(tmp_path / "img", 7, seed=11)
+    shard = tmp_path / "data-000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i, path in enumerate(make_images(tmp_path / "tar", 5, seed=12)):
+            tar.add(path, arcname=f"sample{i}/image{path.suffix}")
+    (tmp_path / "img" / "junk.png").write_bytes(b"not an image")
+    out = tmp_path / "embs"
+    base = [sys.executable, str(EXAMPLE), "--model", str(tiny_ckpt), "--out-dir", str(out), "--address", cluster,
+            "--gpus-per-actor", "0", "--backend", "numpy", "--dtype", "float32", "--shard-size", "4",
+            "--batch-size", "3"]
+    first = subprocess.run([*base, str(folder[0]), str(folder[1])], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert "ray_embed: embedded 2 of 2" in first.stderr
+    second = subprocess.run([*base, str(tmp_path / "img"), str(shard)], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert "ray_embed: 11 to embed, 2 already in" in second.stderr and "embedded 10 of 11" in second.stderr
+    failures = [p / "failures.jsonl" for p in parts(out) if (p / "failures.jsonl").exists()]
+    assert len(failures) == 1 and "junk.png: not an image PIL can decode" in failures[0].read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # parts appear whole
+
+    want = encoded([str(tmp_path / "img"), str(shard)], tiny_ckpt, tmp_path / "encoded")
+    got = {record_key(r): (r, a) for r, a in read_embeddings(parts(out))}
+    assert sorted(got) == sorted(want) and len(list(read_records(parts(out)))) == 12  # one record each
+    for key, (record, arrays) in got.items():
+        assert same_record(record, want[key][0])
+        assert rel_err(arrays["pooler_output"], want[key][1]["pooler_output"]) <= TOLERANCE
