@@ -64,8 +64,10 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
     manifest, files = load_collection(args, collection)
     kernels = ["--kernels", args.kernels]
     runs = {}
-    for label, extra in (("one engine, in the CLI's process", []), ("--devices 0", ["--devices", "0"]),
-                         (f"--devices {args.devices}", ["--devices", args.devices])):
+    plan = [("one engine, in the CLI's process", []), ("--devices 0", ["--devices", "0"])]
+    if args.devices != "0":  # on one GPU, `--devices 0` is the many-device run too
+        plan.append((f"--devices {args.devices}", ["--devices", args.devices]))
+    for label, extra in plan:
         runs[label] = end_to_end(files, collection, args.model, args.workers, args.backend, extra + kernels)
         print(f"{label}: {runs[label]['summary_line']}", file=sys.stderr, flush=True)
     one = max(r["images_per_s"] for r in list(runs.values())[:2])
