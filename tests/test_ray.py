@@ -1,10 +1,12 @@
 """glmvit_cupy.ray on a local Ray cluster (NumPy backend, tiny checkpoint): rows of bytes and of
 paths come back with what `encode` writes, and examples/ray_embed.py, joining the cluster as a
 second host would, writes parts that read as one collection equal to `encode`'s output directory
-and resumes. CI installs the [ray] extra; a machine without it (the GPU check) skips this file."""
+and resumes; on a GPU (marked `gpu`), actors sharing it cap CuPy's pool at their share and give
+the engine's bits. CI installs the [ray] extra; a machine without it skips this file."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -15,6 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
+from glmvit_cupy.model import gpu_available  # noqa: E402
 from glmvit_cupy.ray import GlmVitEmbedder, parts  # noqa: E402
 from glmvit_cupy.shards import read_embeddings, read_records, record_key  # noqa: E402
 from helpers import rel_err  # noqa: E402
@@ -26,7 +29,8 @@ TOLERANCE = 1e-5  # float32 outputs of other batches of the same images (test_pi
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    gpus = 1 if gpu_available()[0] else 0  # GPU actors share one GPU (the gpu test below)
+    ray.init(num_cpus=2 + 2 * gpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -84,3 +88,39 @@ def test_example_writes_one_collection_and_resumes(tmp_path, tiny_ckpt, cluster)
     for key, (record, arrays) in got.items():
         assert same_record(record, want[key][0])
         assert rel_err(arrays["pooler_output"], want[key][1]["pooler_output"]) <= TOLERANCE
+
+
+class _PoolProbe(GlmVitEmbedder):
+    """GlmVitEmbedder adding, to each row, the actor's process and CuPy pool limit as a fraction
+    of its GPU."""
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict:
+        import cupy
+
+        rows = super().__call__(batch)
+        limit = cupy.get_default_memory_pool().get_limit() / cupy.cuda.Device().mem_info[1]
+        rows["pid"], rows["pool_fraction"] = [os.getpid()] * len(rows["path"]), [limit] * len(rows["path"])
+        return rows
+
+
+@pytest.mark.gpu
+def test_gpu_actors_sharing_a_gpu_get_half_its_pool_and_the_engines_bits(tmp_path, real_ckpt, cluster):
+    """Two actors on one GPU (num_gpus=0.5 each) cap CuPy's pool at half of it and give, a row a
+    batch, the bits of the engine in this process encoding each image alone."""
+    from glmvit_cupy import GlmVit
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _PoolProbe lives in this test module
+    paths = make_images(tmp_path / "img", 8, seed=13)
+    ds = ray.data.read_binary_files(str(tmp_path / "img"), include_paths=True)
+    rows = ds.map_batches(_PoolProbe, fn_constructor_kwargs={"model": str(real_ckpt), "backend": "cupy"},
+                          compute=ray.data.ActorPoolStrategy(size=2), num_gpus=0.5, batch_size=1).take_all()
+    assert sorted(r["path"] for r in rows) == sorted(map(str, paths)) and all(r["error"] == "" for r in rows)
+    assert {round(r["pool_fraction"], 6) for r in rows} == {0.5}
+    print(f"ray: {len(rows)} rows from {len({r['pid'] for r in rows})} actor(s) sharing the GPU")
+    vit = GlmVit.from_pretrained(real_ckpt, backend="cupy")
+    try:
+        for row in rows:
+            want = vit.encode(row["path"])[0].pooler_output
+            assert np.array_equal(row["pooler_output"], want), (row["path"], rel_err(row["pooler_output"], want))
+    finally:
+        vit.close()
