@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--actors", type=int, default=1, help="engines (one an actor)")
     ap.add_argument("--gpus-per-actor", type=float, default=1.0, help="0: the NumPy backend on the CPU")
     ap.add_argument("--batch-size", type=int, default=64, help="images an actor call")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="decode processes an actor (0: in the actor's thread); each actor reserves as many CPUs")
     ap.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
     ap.add_argument("--output", choices=list(OUTPUTS), default="pooler")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
@@ -58,9 +60,10 @@ def main() -> None:
     ds = ray.data.from_items(rows_of(todo))
     ds = ds.map_batches(GlmVitEmbedder,
                         fn_constructor_kwargs={"model": args.model, "backend": args.backend, "output": args.output,
-                                               "dtype": args.dtype, "kernels": args.kernels},
+                                               "dtype": args.dtype, "kernels": args.kernels,
+                                               "workers": args.workers},
                         compute=ray.data.ActorPoolStrategy(size=args.actors), num_gpus=args.gpus_per_actor,
-                        batch_size=args.batch_size)
+                        num_cpus=max(1, args.workers), batch_size=args.batch_size)
     ds.write_datasink(ShardSink(args.out_dir, args.shard_size))
     written = sum(1 for _ in read_records(parts(args.out_dir))) - len(done)
     print(f"ray_embed: embedded {written} of {len(todo)} in {time.perf_counter() - start:.1f}s "
