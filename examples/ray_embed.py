@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--gpus-per-actor", type=float, default=1.0, help="0: the NumPy backend on the CPU")
     ap.add_argument("--batch-size", type=int, default=64, help="images an actor call")
     ap.add_argument("--workers", type=int, default=0,
-                    help="decode processes an actor (0: in the actor's thread); each actor reserves as many CPUs")
+                    help="decode threads an actor (0: in the actor's own thread); each actor reserves as many CPUs")
     ap.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
     ap.add_argument("--output", choices=list(OUTPUTS), default="pooler")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")

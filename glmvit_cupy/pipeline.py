@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -87,16 +87,20 @@ def _main_reimportable() -> bool:
 
 class Decoder:
     """In-order decode of an iterable of inputs by `workers` processes (0, or a main script that
-    is no file: in this thread), with at most `window` inputs in flight."""
+    is no file: in this thread), with at most `window` inputs in flight. threads=True: by
+    `workers` threads instead, for a host that kills its child processes before it lets them be
+    closed (a Ray actor); PIL decodes and resizes without the GIL, so threads scale too."""
 
-    def __init__(self, workers: int, processor: ProcessorConfig) -> None:
+    def __init__(self, workers: int, processor: ProcessorConfig, threads: bool = False) -> None:
         if workers < 0:
             raise GlmVitError(f"workers {workers}: expected 0 (decode in this process) or more")
-        workers = workers if _main_reimportable() else 0
+        workers = workers if threads or _main_reimportable() else 0
         self.processor, self.workers = processor, workers
         self.window = 4 * workers + 8  # a few images a worker queued: none waits for the main thread
-        self.pool: ProcessPoolExecutor | None = None
-        if workers:
+        self.pool: Executor | None = None
+        if workers and threads:
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="glmvit-decode")
+        elif workers:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(["glmvit_cupy.pipeline"])
             self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker)

@@ -85,7 +85,7 @@ class GlmVitEmbedder:
     ("pooler", "last_hidden", "both") and `dtype` (float32, float16, bfloat16 as uint16 bits)
     are the CLI's --output and --dtype, `kernels` its --kernels. `gpu_memory_fraction` caps
     CuPy's memory pool (default: the GPU share Ray gave this actor, so actors with num_gpus=0.5
-    each get half). `workers`: decode processes inside the actor (default 0: in the actor's
+    each get half). `workers`: decode threads inside the actor (default 0: in the actor's own
     thread; give map_batches num_cpus to match when raising it). Per-launch checks follow the
     actor's own GLMVIT_CHECK_LAUNCHES (a cluster's workers get it through Ray's runtime_env
     env_vars, not from the driver's shell)."""
@@ -107,8 +107,11 @@ class GlmVitEmbedder:
             cupy.get_default_memory_pool().set_limit(fraction=min(1.0, fraction))  # before the engine allocates
         self.vit = GlmVit.from_pretrained(model, backend=backend, max_pixels=max_pixels, kernels=kernels,
                                           min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
-        self.outputs, self.dtype, self.workers = OUTPUTS[output], dtype, workers
+        self.outputs, self.dtype = OUTPUTS[output], dtype
         processor = self.vit.processor
+        # threads: Ray kills an actor's child processes before its shutdown hook runs, so a
+        # process pool could not be closed, and its semaphores' cleanup printed tracebacks
+        self.decoder = Decoder(workers, processor, threads=True)
         self.stager = make_stager(self.vit, self.outputs, dtype, processor)
         self.metadata = json.dumps(shard_metadata(self.vit, self.outputs, dtype, processor), sort_keys=True)
         self.empty = np.zeros((0, self.vit.geometry.out_hidden_size), dtype=DTYPES[dtype][0])
@@ -116,28 +119,26 @@ class GlmVitEmbedder:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         rows: dict[str, list] = {name: [] for name in ("path", "member", "key", "nbytes", "sha256", "grid_thw",
                                                         *self.outputs, "error", "metadata")}
-        # A decode pool a call: Ray kills an actor's child processes before its shutdown hook
-        # runs, so a pool kept across calls could not be closed, and its semaphores' cleanup
-        # printed tracebacks; forking the workers from the forkserver is cheap beside a batch.
-        decoder = Decoder(self.workers, self.vit.processor)
-        try:
-            for result in stream(self.vit, _items(batch), outputs=self.outputs, dtype=self.dtype,
-                                 decoder=decoder, stager=self.stager):
-                record = result.item.record()
-                rows["path"].append(record["path"])
-                rows["member"].append(record.get("member"))
-                rows["key"].append(record.get("key"))
-                rows["nbytes"].append(result.nbytes)
-                rows["sha256"].append(result.sha256)
-                rows["grid_thw"].append(np.zeros(3, np.int64) if result.error else result.grid_thw)
-                for name in self.outputs:
-                    rows[name].append(self.empty if result.error else result.arrays[name])
-                rows["error"].append(result.error or "")
-                rows["metadata"].append(self.metadata)
-        finally:
-            decoder.close()
+        for result in stream(self.vit, _items(batch), outputs=self.outputs, dtype=self.dtype,
+                             decoder=self.decoder, stager=self.stager):
+            record = result.item.record()
+            rows["path"].append(record["path"])
+            rows["member"].append(record.get("member"))
+            rows["key"].append(record.get("key"))
+            rows["nbytes"].append(result.nbytes)
+            rows["sha256"].append(result.sha256)
+            rows["grid_thw"].append(np.zeros(3, np.int64) if result.error else result.grid_thw)
+            for name in self.outputs:
+                rows[name].append(self.empty if result.error else result.arrays[name])
+            rows["error"].append(result.error or "")
+            rows["metadata"].append(self.metadata)
         rows["grid_thw"] = np.stack(rows["grid_thw"]) if rows["grid_thw"] else np.zeros((0, 3), np.int64)
         return rows
+
+    def __del__(self) -> None:
+        decoder = getattr(self, "decoder", None)
+        if decoder is not None:
+            decoder.close()
 
 
 class ShardSink(Datasink):

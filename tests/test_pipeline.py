@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.pipeline import plan_batches
+from glmvit_cupy.pipeline import Decoder, plan_batches
+from glmvit_cupy.preprocess import ProcessorConfig
 from glmvit_cupy.shards import read_embeddings
 from glmvit_cupy.sources import expand_inputs
 from helpers import photo_like, rel_err
@@ -267,6 +268,24 @@ def test_plan_batches_packs_in_order_under_the_budget():
     assert plan_batches([3, 3, 3, 5, 1, 8], 8) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
     assert plan_batches([10], 8) == [range(0, 1)]  # the engine refuses it with the number at fault
     assert plan_batches([], 8) == []
+
+
+@pytest.mark.parametrize("workers, threads", [(2, False), (3, True)])
+def test_decoders_give_the_in_thread_canvases_in_order(tmp_path, workers, threads):
+    """Worker processes (encode) and threads (a Ray actor, whose child processes Ray kills
+    before they can be closed) both yield, in input order, what decoding in this thread does."""
+    (tmp_path / "zz-junk.png").write_bytes(b"not an image")
+    items = list(expand_inputs([str(p) for p in make_images(tmp_path, 12, seed=5)] + [str(tmp_path / "zz-junk.png")]))
+    config = ProcessorConfig()
+    want = list(Decoder(0, config).map(items))
+    decoder = Decoder(workers, config, threads=threads)
+    assert type(decoder.pool).__name__ == ("ThreadPoolExecutor" if threads else "ProcessPoolExecutor")
+    try:
+        got = list(decoder.map(items))
+    finally:
+        decoder.close()
+    assert [g.error for g in got] == [w.error for w in want] and want[-1].error
+    assert all(np.array_equal(g.canvas, w.canvas) and g.sha256 == w.sha256 for g, w in zip(got[:-1], want[:-1]))
 
 
 FULL_DISK = r'''
