@@ -189,8 +189,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     processor, _ = processor_config(directory, **budget)
     check_processor(processor, load_geometry(directory))
-    decoder = Decoder(min(workers, len(sources)), processor)
-    decoder.start()  # the workers come up while the tower is read
+    decoder = Decoder(min(workers, len(sources)), processor)  # its workers start now, while the tower is read
     group = None
     try:
         if devices is None:

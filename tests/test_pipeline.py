@@ -279,7 +279,7 @@ def test_decoders_give_the_in_thread_canvases_in_order(tmp_path, workers, thread
     config = ProcessorConfig()
     want = list(Decoder(0, config).map(items))
     decoder = Decoder(workers, config, threads=threads)
-    assert type(decoder.pool).__name__ == ("ThreadPoolExecutor" if threads else "ProcessPoolExecutor")
+    assert type(decoder.pool).__name__ == ("ThreadPoolExecutor" if threads else "DecodePool")
     try:
         got = list(decoder.map(items))
     finally:
