@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checkpoint import TowerLocation, TowerWeights, locate_tower, read_tower
-from .errors import GlmVitError
+from .errors import GlmVitError, InternalError
 from .geometry import patch_budget
 from .layout import merged_offsets
 from .model import KERNELS
@@ -191,7 +191,7 @@ def _engine_main(spec: _EngineSpec, conn: Connection) -> None:
         weights = TowerWeights(spec.location, arena, spec.offsets, spec.bytes_read)
         vit = GlmVit.from_weights(weights, spec.backend, spec.max_pixels, processor=spec.processor,
                                   kernels=spec.kernels)
-        stager = make_stager(vit, spec.layout.outputs, spec.dtype, spec.processor)
+        stager = make_stager(vit, spec.processor)
         slots = _attach(spec.slots_path, spec.layout.total)
     except (GlmVitError, MemoryError) as exc:
         conn.send(("error", str(exc) or type(exc).__name__))
@@ -237,7 +237,7 @@ def _serve(stager: Any, slots: mmap.mmap, layout: _Layout, dtype: str, conn: Con
             canvases.append(np.frombuffer(slots, np.uint8, size, at).reshape(shape))
             at += size
         try:
-            pending.append((slot, stager.submit(canvases, grid)))
+            pending.append((slot, stager.submit(canvases, grid, layout.outputs, dtype)))
         except (GlmVitError, MemoryError) as exc:
             conn.send(("error", str(exc) or type(exc).__name__))
             return
@@ -335,7 +335,11 @@ class EngineGroup:
         slots serve one; a stream inside a stream of the same thread is refused."""
         return self._stream(what)
 
-    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray) -> Pending:
+    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
+               dtype: str) -> Pending:
+        if (tuple(outputs), dtype) != (self.layout.outputs, self.dtype):  # the shared slots are laid out for those
+            raise InternalError(f"an engine group made for {self.layout.outputs} in {self.dtype} was given a batch of "
+                                f"{tuple(outputs)} in {dtype}")
         engine = min(self._engines, key=lambda e: e.in_flight)
         slot = engine.sent % DEPTH
         buf = np.frombuffer(engine.slots.map, np.uint8, self.layout.slot_bytes, self.layout.canvas_at(slot))

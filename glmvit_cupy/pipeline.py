@@ -41,6 +41,7 @@ from .workers import Child, usable_cpus
 
 DEFAULT_WORKERS = max(1, usable_cpus() - 1)  # all usable cores but one: the engine's host thread
 OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",), "both": OUTPUT_NAMES}
+DEFAULT_OUTPUT = "pooler"  # the merger's output: what the LM splices in
 
 
 @dataclasses.dataclass
@@ -51,10 +52,18 @@ class Prepared:
     error: str | None
     nbytes: int | None = None  # of the file (sources only)
     sha256: str | None = None
+    decode_s: float = 0.0
 
 
 def prepare(item: Any, processor: ProcessorConfig) -> Prepared:
-    """Read (sources), decode and resize one input in a worker. Every failure is a reason."""
+    """Read (sources), decode and resize one input in a worker, timed. Every failure is a reason."""
+    start = time.perf_counter()
+    prepared = _prepare(item, processor)
+    prepared.decode_s = time.perf_counter() - start
+    return prepared
+
+
+def _prepare(item: Any, processor: ProcessorConfig) -> Prepared:
     nbytes = sha = None
     try:
         if isinstance(item, Source):
@@ -264,15 +273,15 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
                    stats: StreamStats | None = None, decoder: Decoder | None = None,
                    stager: Any = None) -> Iterator[Encoded]:
     """stream, for a caller that holds vit.stream_turn(). `decoder` and `stager`
-    (staging.make_stager for these outputs, dtype and processor) may be kept by the caller
-    across streams; by default each stream makes its own (devices.EngineGroup is the stager of
-    its engine processes)."""
+    (staging.make_stager for this processor) may be kept by the caller across streams; by
+    default each stream makes its own (devices.EngineGroup is the stager of its engine
+    processes)."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     if dtype not in DTYPES:
         raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     stats = stats if stats is not None else StreamStats()
-    stager = stager or make_stager(vit, outputs, dtype, processor)
+    stager = stager or make_stager(vit, processor)
     for engine in range(stager.engines):
         stats.gpu_ms.setdefault(engine, 0.0)
     own = decoder is None
@@ -285,7 +294,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
     def submit() -> None:
         nonlocal batch, patches
         grid = np.array([canvas_grid(p.canvas.shape, processor) for _, p in batch], dtype=np.int64)
-        in_flight.append((stager.submit([p.canvas for _, p in batch], grid), batch))
+        in_flight.append((stager.submit([p.canvas for _, p in batch], grid, outputs, dtype), batch))
         batch, patches = [], 0
 
     def collect() -> None:
@@ -311,7 +320,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
 
     try:
         mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
-        for item, prep in zip(mine, decoder.map(theirs)):
+        for item, prep in zip(mine, decoder.map(theirs, processor)):
             slot = [item, None]
             order.append(slot)
             if prep.error is not None:
