@@ -19,6 +19,7 @@ from glmvit_cupy import GlmVit
 from glmvit_cupy.errors import GlmVitError, InputError, Overloaded, RequestTimeout
 from glmvit_cupy.preprocess import EncodedImage
 from glmvit_cupy.synthetic import photo_like
+from helpers import live_processes
 
 SIZES = [(28, 28), (56, 84), (112, 56), (70, 140), (28, 224), (98, 98), (140, 42), (56, 56)]
 
@@ -235,17 +236,5 @@ def test_closed_batcher_refuses_in_one_line(vit, images):
 
 def _decode_children(parent: int) -> list[int]:
     """Live decode worker processes of `parent` (workers.Child runs them under `python -c`)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if int(fields[1]) == parent and fields[0] != "Z" and b"child_main" in cmdline:
-            found.append(int(entry))
-    return sorted(found)
+    return sorted(pid for pid, fields, cmdline in live_processes()
+                  if int(fields[1]) == parent and b"child_main" in cmdline)
