@@ -285,7 +285,10 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-@main.command()
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy info --model ckpt
+  glmvit-cupy info --model zai-org/GLM-5.3-Flash@v1.0 --max-image-tokens 2000""")
 @click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for. [default: one image at the processor's max_image_tokens]")
 @processor_options
@@ -341,7 +344,11 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
         click.echo(f"{key:<{width}}  {value}")
 
 
-@main.command()
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy extract zai-org/GLM-5.3-Flash glm53-vision
+  glmvit-cupy extract /data/GLM-5.3-Flash glm53-vision
+  glmvit-cupy encode photo.jpg --model glm53-vision --out emb.npy""")
 @click.argument("source", metavar="SRC")
 @click.argument("destination", metavar="DST", type=click.Path(path_type=Path))
 @user_errors
@@ -361,7 +368,11 @@ def extract(source: str, destination: Path) -> None:
                f"read from {len(done.location.shards)} shard(s) of {done.source}); {', '.join(done.files)}")
 
 
-@main.command("make-checkpoint")
+@main.command("make-checkpoint", epilog="""\b
+Examples:
+  glmvit-cupy make-checkpoint ckpt --geometry tiny
+  glmvit-cupy make-checkpoint ckpt --geometry tiny --seed 3 --force
+  glmvit-cupy make-checkpoint real-ckpt --geometry real""")
 @click.argument("directory", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--geometry", type=click.Choice(["real", "tiny"]), default="real", show_default=True,
               help="real: GLM-5.3-Flash's tower (1.05 GiB); tiny: a 2-block tower for quick runs.")
@@ -384,7 +395,11 @@ def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> N
                f"{loc.tower_bytes / 2**20:.1f} MiB, seed {seed}")
 
 
-@main.command()
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy bench --model ckpt
+  glmvit-cupy bench --model ckpt --image-size 448 --image-size 1344 --batch 4
+  glmvit-cupy bench --model ckpt --kernels generic --attention naive""")
 @click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--image-size", "sizes", multiple=True, type=click.IntRange(min=28), default=(448,), show_default=True,
               help="Square image side in pixels; repeat for several cases.")

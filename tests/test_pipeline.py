@@ -370,3 +370,42 @@ def test_several_directories_read_as_one_collection(tmp_path, tiny):
     with pytest.raises(GlmVitError, match=r"made with dtype 'float32', .*shard-00000.safetensors with 'bfloat16': "
                                           "not one collection"):
         list(read_embeddings([tmp_path / "out_a", tmp_path / "out_c"]))
+
+
+def test_a_directory_without_shards_is_refused_not_read_as_empty(tmp_path, tiny):
+    """An image folder, a fresh directory or a Ray ShardSink's output read without parts() is
+    one line saying so; a run whose every image failed is an empty collection."""
+    make_images(tmp_path / "img", 1, seed=16)
+    (tmp_path / "sink" / "part-0").mkdir(parents=True)
+    assert run("encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(tmp_path / "sink" / "part-0"),
+               "--backend", "numpy", "--workers", "0").returncode == 0
+    nothing = "holds no finished shard (shard-NNNNN.safetensors and its .jsonl) and no failures.jsonl"
+    for directory, why in ((tmp_path / "img", ": not the --out-dir of a run that finished a shard"),
+                           (tmp_path / "sink", "; its subdirectories do: a Ray ShardSink's output is read as "
+                                               "read_embeddings(glmvit_cupy.ray.parts(...))")):
+        with pytest.raises(GlmVitError) as info:
+            next(read_embeddings(directory))
+        assert str(info.value) == f"{directory}: {nothing}{why}"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "junk.png").write_bytes(b"junk")
+    failed = run("encode", str(tmp_path / "bad"), "--model", tiny, "--out-dir", str(tmp_path / "all_failed"),
+                 "--backend", "numpy", "--workers", "0")
+    assert failed.returncode == 1 and list(read_embeddings(tmp_path / "all_failed")) == []
+
+
+def test_an_empty_file_says_so(tmp_path, tiny):
+    """A zero-byte file (a failed download) is named as empty, not as an undecodable image: as a
+    path, and as the bytes a collection run reads (a file, a tar member)."""
+    make_images(tmp_path / "img", 1, seed=15)
+    (tmp_path / "img" / "zero.jpg").write_bytes(b"")
+    with tarfile.open(tmp_path / "data.tar", "w") as tar:
+        tar.add(tmp_path / "img" / "zero.jpg", arcname="member.png")
+    with pytest.raises(GlmVitError, match=r"^.*zero\.jpg: empty file \(0 bytes\)$"):
+        preprocess(str(tmp_path / "img" / "zero.jpg"))
+    out = tmp_path / "out"
+    proc = run("encode", str(tmp_path / "img"), str(tmp_path / "data.tar"), "--model", tiny, "--out-dir", str(out),
+               "--backend", "numpy", "--workers", "0", "--quiet")
+    assert proc.returncode == 1 and "encoded 1, skipped 0, failed 2" in proc.stderr
+    errors = [json.loads(line)["error"] for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert errors == [f"{tmp_path / 'img' / 'zero.jpg'}: empty file (0 bytes)",
+                      f"{tmp_path / 'data.tar'}:member.png: empty file (0 bytes)"]
