@@ -21,6 +21,7 @@ from glmvit_cupy.pipeline import Decoder, plan_batches
 from glmvit_cupy.preprocess import ProcessorConfig
 from glmvit_cupy.shards import read_embeddings
 from glmvit_cupy.sources import expand_inputs
+from glmvit_cupy.synthetic import write_checkpoint
 from helpers import photo_like, rel_err
 
 CLI = [sys.executable, "-c", "import cli; cli.main()"]
@@ -215,12 +216,18 @@ def test_failures_are_listed_and_the_rest_encoded(tmp_path, tiny):
 
 def test_resume_with_other_settings_is_refused(tmp_path, tiny):
     make_images(tmp_path / "img", 3, seed=5)
-    base = [str(tmp_path / "img"), "--model", tiny, "--out-dir", str(tmp_path / "out"),
-            "--backend", "numpy", "--workers", "0"]
-    assert run("encode", *base).returncode == 0
-    proc = run("encode", *base, "--dtype", "float32")
+    base = [str(tmp_path / "img"), "--out-dir", str(tmp_path / "out"), "--backend", "numpy", "--workers", "0"]
+    assert run("encode", *base, "--model", tiny).returncode == 0
+    proc = run("encode", *base, "--model", tiny, "--dtype", "float32")
     assert proc.returncode == 1 and "made with dtype 'bfloat16', this run has 'float32'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    # Another tower of the same geometry (another seed): its embeddings must not join these.
+    other = write_checkpoint(tmp_path / "other", "tiny", seed=2)
+    theirs, ours = (GlmVit.from_pretrained(m, backend="numpy").fingerprint for m in (tiny, other))
+    proc = run("encode", *base, "--model", str(other))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"glmvit-cupy: error: {tmp_path / 'out' / 'shard-00000.safetensors'}: made with tower {theirs!r}, this run "
+        f"has {ours!r}; use another --out-dir, or the settings it was made with"]
 
 
 HEAP = r"""
