@@ -3,12 +3,15 @@ resumes, failures, flat memory, and shards that safetensors + numpy alone can re
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tarfile
+import termios
 import time
 from pathlib import Path
 
@@ -101,8 +104,35 @@ def test_every_input_kind(tmp_path, tiny):
     assert [r["path"] for r in got] == [str(a[0]), str(a[1]), str(b[0]), str(tar_path), str(tar_path), str(b[1])]
     assert got[3]["member"] == "sample1/x.jpg" and got[3]["key"] == "sample1/x"
     assert "encoded 6, skipped 0, failed 0" in proc.stderr
-    # stderr is a pipe here: plain progress lines, no bar (tests/ cannot fake a terminal cheaply)
+    # stderr is a pipe here: plain progress lines, no bar (test_a_terminal_gets_a_live_bar has one)
     assert "glmvit-cupy: 6/6 images (100%)" in proc.stderr and "\r" not in proc.stderr
+
+
+def test_a_terminal_gets_a_live_bar(tmp_path, tiny):
+    """With stderr on a terminal (a pseudo-terminal here) progress is tqdm's bar, redrawn in
+    place, counting images and failures, and not the plain lines a log gets."""
+    make_images(tmp_path / "img", 6, seed=17)
+    (tmp_path / "img" / "junk.png").write_bytes(b"not an image")
+    terminal, child_end = os.openpty()
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal's size
+    proc = subprocess.Popen([*CLI, "encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(tmp_path / "out"),
+                             "--backend", "numpy", "--workers", "0"], stdout=subprocess.DEVNULL, stderr=child_end)
+    os.close(child_end)
+    shown = b""
+    while True:
+        try:
+            data = os.read(terminal, 1 << 16)
+        except OSError:  # EIO: the run has exited and closed the terminal
+            break
+        if not data:
+            break
+        shown += data
+    os.close(terminal)
+    assert proc.wait(timeout=120) == 1  # the junk file failed
+    text = shown.decode()
+    bar = [part for part in text.split("\r") if part.startswith("encoding: 100%")]
+    assert bar and "7/7 [" in bar[-1] and "img/s, failed=1, tokens_s=" in bar[-1], text
+    assert "glmvit-cupy: 7/7 images" not in text and "encoded 6, skipped 0, failed 1" in text
 
 
 def test_shards_read_with_safetensors_and_numpy_alone(tmp_path, tiny, vit):
