@@ -323,6 +323,25 @@ def test_encode_iter_is_lazy_ordered_and_equals_forward(tiny):
         vit.encode(5)
 
 
+def test_the_packer_keeps_two_batches_on_the_engine(tiny):
+    """The stager's overlap (staging.py: batch k+1 uploads while k computes) needs the packer to
+    submit batch k+1 before it waits for batch k: the first result leaves once the third batch
+    begins (two batches of 5 submitted, the 11th image in hand), not after the first batch.
+    Decoding in this thread, so nothing is read ahead of the packer."""
+    vit = GlmVit.from_pretrained(tiny, backend="numpy", max_pixels=5 * 64 * 196)  # 5 images of 64 patches a call
+    pulled = []
+
+    def images():
+        for i in range(30):
+            pulled.append(i)
+            yield photo_like(28, 28, seed=i)  # enlarged to the minimum, 16 tokens: 64 patches
+
+    results = vit.encode_iter(images(), workers=0)
+    next(results)
+    assert len(pulled) == 2 * 5 + 1
+    assert sum(1 for _ in results) == 29
+
+
 def test_plan_batches_packs_in_order_under_the_budget():
     assert plan_batches([3, 3, 3, 5, 1, 8], 8) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
     assert plan_batches([10], 8) == [range(0, 1)]  # the engine refuses it with the number at fault
