@@ -29,21 +29,29 @@ def refusal(what: str, patches: int, p_max: int) -> str:
             f"{patches * 196} (--max-pixels, or GlmVit.from_pretrained(max_pixels=...))")
 
 
-@pytest.fixture(scope="module")
-def unresized(tmp_path_factory) -> Path:
+def unresized_checkpoint(directory: Path) -> Path:
     """A tiny checkpoint whose processor takes images as they come (do_resize false): nothing
     bounds an image's size but the engine's budget."""
-    ckpt = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "c", "tiny", seed=1)
+    ckpt = write_checkpoint(directory, "tiny", seed=1)
     (ckpt / PREPROCESSOR_FILE).write_text(json.dumps({"do_resize": False}))
     return ckpt
 
 
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("img")
+def write_images(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     for i, (name, (h, w)) in enumerate(SIZES.items()):
         Image.fromarray(photo_like(h, w, seed=i)).save(root / name)
     return root
+
+
+@pytest.fixture(scope="module")
+def unresized(tmp_path_factory) -> Path:
+    return unresized_checkpoint(tmp_path_factory.mktemp("ckpt") / "c")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("img"))
 
 
 def test_the_refusal_names_the_patches_the_budget_and_how_to_raise_it():

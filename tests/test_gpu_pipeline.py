@@ -192,3 +192,22 @@ def test_devices_write_what_one_engine_writes(tmp_path, real_ckpt, kernels):
     assert names == sorted(p.name for p in outs["devices"].iterdir()) and len(names) == 6
     for name in names:
         assert (outs["one"] / name).read_bytes() == (outs["devices"] / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("engines", [[], ["--devices", "all"]], ids=["one engine", "engine processes"])
+def test_an_image_over_the_gpu_budget_is_that_images_failure(tmp_path, engines):
+    """As on the CPU (test_budget.py), on the GPU engine in the CLI's process and in engine
+    processes: the image no forward call holds is listed in failures.jsonl, the rest encoded."""
+    import json
+    import subprocess
+    import sys
+
+    from test_budget import SMALL, refusal, unresized_checkpoint, write_images
+
+    ckpt, images, out = unresized_checkpoint(tmp_path / "ckpt"), write_images(tmp_path / "img"), tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "encode", str(images), "--model", str(ckpt),
+                           "--out-dir", str(out), "--backend", "cupy", "--max-pixels", str(SMALL), "--workers", "1",
+                           "--quiet", *engines], capture_output=True, text=True)
+    assert proc.returncode == 1 and "encoded 2, skipped 0, failed 1" in proc.stderr, proc.stderr
+    failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert failures == [{"path": str(images / "b.png"), "error": refusal(str(images / "b.png"), 400, 64)}]
