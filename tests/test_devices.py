@@ -122,11 +122,11 @@ def test_a_batch_over_the_engines_budget_is_refused_and_the_group_goes_on(tiny_c
     try:
         big = np.zeros((280, 280, 3), np.uint8)  # 400 patches
         with pytest.raises(GlmVitError) as info:
-            group.submit([big], np.array([[1, 20, 20]]))
+            group.submit([big], np.array([[1, 20, 20]]), ("pooler_output",), "float32")
         assert str(info.value) == ("this batch: 400 patches exceed p_max 64 (max_pixels 12544); raise max_pixels to at "
                                    "least 78400 (--max-pixels, or GlmVit.from_pretrained(max_pixels=...))")
         small = np.zeros((112, 112, 3), np.uint8)  # 64 patches: exactly the budget
-        done = group.submit([small], np.array([[1, 8, 8]]))
+        done = group.submit([small], np.array([[1, 8, 8]]), ("pooler_output",), "float32")
         assert done.result()["pooler_output"].shape == (16, 256) and done.finite.all()
     finally:
         group.close()

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.pipeline import Decoder, plan_batches
+from glmvit_cupy.pipeline import Decoder, plan_batches, stream
 from glmvit_cupy.preprocess import ProcessorConfig
 from glmvit_cupy.shards import read_embeddings
 from glmvit_cupy.sources import expand_inputs
@@ -312,7 +312,7 @@ def test_encode_iter_is_lazy_ordered_and_equals_forward(tiny):
             pulled.append(i)
             yield photo_like(40 + i % 7, 50, seed=i)
 
-    it = vit.encode_iter(images(), workers=1)
+    it = vit.encode_iter(images(), workers=1, output="both", dtype="float32")
     first_image, first = next(it)
     assert len(pulled) <= 12 + 2 * 5 + 1  # bounded: the decode window and two batches, not the input
     pixels, grid = preprocess(first_image)
@@ -327,19 +327,20 @@ def test_the_packer_keeps_two_batches_on_the_engine(tiny):
     """The stager's overlap (staging.py: batch k+1 uploads while k computes) needs the packer to
     submit batch k+1 before it waits for batch k: the first result leaves once the third batch
     begins (two batches of 5 submitted, the 11th image in hand), not after the first batch.
-    Decoding in this thread, so nothing is read ahead of the packer."""
+    Decoding in this thread, which reads window - 1 inputs ahead of the packer."""
     vit = GlmVit.from_pretrained(tiny, backend="numpy", max_pixels=5 * 64 * 196)  # 5 images of 64 patches a call
+    decoder = Decoder(0, vit.processor)
     pulled = []
 
     def images():
-        for i in range(30):
+        for i in range(40):
             pulled.append(i)
             yield photo_like(28, 28, seed=i)  # enlarged to the minimum, 16 tokens: 64 patches
 
-    results = vit.encode_iter(images(), workers=0)
+    results = stream(vit, images(), decoder=decoder)
     next(results)
-    assert len(pulled) == 2 * 5 + 1
-    assert sum(1 for _ in results) == 29
+    assert len(pulled) - (decoder.window - 1) == 2 * 5 + 1
+    assert sum(1 for _ in results) == 39
 
 
 def test_plan_batches_packs_in_order_under_the_budget():
@@ -357,7 +358,7 @@ def test_decoders_give_the_in_thread_canvases_in_order(tmp_path, workers, thread
     config = ProcessorConfig()
     want = list(Decoder(0, config).map(items))
     decoder = Decoder(workers, config, threads=threads)
-    assert type(decoder.pool).__name__ == ("ThreadPoolExecutor" if threads else "ProcessPoolExecutor")
+    assert type(decoder.pool).__name__ == ("ThreadPoolExecutor" if threads else "DecodePool")
     try:
         got = list(decoder.map(items))
     finally:
