@@ -8,7 +8,6 @@ import asyncio
 import io
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
