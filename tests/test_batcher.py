@@ -113,8 +113,10 @@ def test_a_bad_image_fails_alone(tiny_ckpt, images, alone):
     assert close_to(outcomes[0].pooler_output, alone[0].pooler_output)
     assert close_to(outcomes[4].pooler_output, alone[1].pooler_output)
     assert isinstance(outcomes[1], InputError) and "not an image PIL can decode" in str(outcomes[1])
-    assert isinstance(outcomes[2], InputError)
-    assert isinstance(outcomes[3], InputError) and "p_max" in str(outcomes[3])
+    assert isinstance(outcomes[2], InputError) and "empty file (0 bytes)" in str(outcomes[2])
+    assert isinstance(outcomes[3], InputError) and str(outcomes[3]) == (
+        "a ndarray: 14400 patches exceed p_max 160 (max_pixels 31360); raise max_pixels to at least 2822400 "
+        "(--max-pixels, or GlmVit.from_pretrained(max_pixels=...))")
 
 
 def test_overload_is_refused_at_once_and_nothing_is_lost(vit, images):
