@@ -90,6 +90,21 @@ def test_npz_with_several_images_and_both_outputs(tmp_path, tiny_ckpt, pngs):
     assert np.array_equal(data["last_hidden_state"], np.concatenate([r.last_hidden_state for r in results]))
 
 
+def test_a_repeated_input_gives_a_result_per_mention(tmp_path, tiny_ckpt, pngs):
+    """--out and the library keep one result per mention, in position (a collection run, whose
+    records are keyed by file, keeps one)."""
+    out = tmp_path / "rep.npz"
+    order = [pngs[0], pngs[1], pngs[0]]
+    proc = run("encode", *map(str, order), "--model", str(tiny_ckpt), "--out", str(out), "--backend", "numpy")
+    assert proc.returncode == 0, proc.stderr
+    data = np.load(out)
+    results = GlmVit.from_pretrained(tiny_ckpt, backend="numpy").encode(order, dtype="float32")
+    assert len(results) == 3 and len(data["grid_thw"]) == 3
+    rows = [data["pooler_output"][a:b] for a, b in zip(data["offsets"][:-1], data["offsets"][1:])]
+    assert all(np.array_equal(r, o.pooler_output) for r, o in zip(rows, results))
+    assert np.array_equal(rows[0], rows[2]) and not np.array_equal(data["grid_thw"][0], data["grid_thw"][1])
+
+
 def test_last_hidden_only(tmp_path, tiny_ckpt, pngs):
     out = tmp_path / "lh.npy"
     assert run("encode", str(pngs[1]), "--model", str(tiny_ckpt), "--out", str(out), "--backend", "numpy",
