@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -47,6 +47,7 @@ from . import __version__
 from .encoder_cache import HIT, EncoderCache, image_digest
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
 from .pipeline import OUTPUTS
+from .preprocess import EncodedImage
 from .staging import DTYPES
 from .synthetic import photo_like
 from .writer import safetensors_chunks
@@ -191,8 +192,9 @@ class Service:
         self.cache = EncoderCache(limits.cache_bytes, self.vits[0].fingerprint, self.vits[0].processor)
         self.metrics = Metrics(self)
         self.batchers: list[Any] = []
+        self.outstanding = [0] * len(self.vits)  # images submitted to each engine's batcher, not yet answered
         self.ready = self.draining = False
-        self.failure: str | None = None  # why the engine cannot serve (the warm-up failed)
+        self.failure: str | None = None  # why the engine cannot serve: the server exits (status 1)
         self.active = 0  # work requests accepted and not yet answered: the drain waits for them
 
     def status(self) -> str:
@@ -218,13 +220,19 @@ class Service:
         try:
             await asyncio.gather(*(b.aencode(image) for b in self.batchers))
         except Exception as exc:
-            self.failure = f"the warm-up encode failed: {exc}"
-            log.error("glmvit-cupy: error: %s%s", self.failure,
-                      "" if isinstance(exc, GlmVitError) else "\n" + traceback.format_exc().rstrip())
+            if not isinstance(exc, GlmVitError):
+                log.error("%s", traceback.format_exc().rstrip())
+            self.fail(f"the warm-up encode failed: {exc}")
             return
         self.ready = True
         log.info("glmvit-cupy: ready (warm-up encode on %d engine(s) in %.1f s)", len(self.batchers),
                  time.perf_counter() - t0)
+
+    def fail(self, reason: str) -> None:
+        """The engine cannot serve: /health says why, and the server exits with status 1 (to be restarted)."""
+        if self.failure is None:
+            self.failure = reason
+            log.error("glmvit-cupy: error: %s; exiting", reason)
 
     async def stop(self) -> None:
         """Close the batchers (each finishes its queued and in-flight work) from a thread."""
@@ -353,23 +361,21 @@ class Service:
             raise HttpError(504, f"{where}: {exc}") from None
         except InputError as exc:
             raise HttpError(422, f"{where}: {exc}") from None
-        except GlmVitError as exc:
-            if self.draining:
-                raise HttpError(503, f"draining: {exc}") from None
-            raise
+        except GlmVitError as exc:  # the engine's own failure (a GPU fault): the process must be restarted
+            self.fail(f"the engine failed: {exc}")
+            raise HttpError(500, f"{where}: the engine failed: {exc}") from None
         return _Encoded(result, outcome)
 
     async def _compute(self, data: bytes, output: str, dtype: str) -> Any:
-        result = await self._least_loaded().aencode(data, output=output, dtype=dtype)
+        """One image through the batcher of the engine with the fewest images outstanding (--devices)."""
+        engine = min(range(len(self.batchers)), key=self.outstanding.__getitem__)
+        self.outstanding[engine] += 1
+        try:  # named for messages neutrally: a computation may be shared by several requests
+            result = await self.batchers[engine].aencode(EncodedImage("image", data), output=output, dtype=dtype)
+        finally:
+            self.outstanding[engine] -= 1
         self.metrics.computed(result.timing)
         return result
-
-    def _least_loaded(self) -> Any:
-        """The batcher with the fewest requests waiting or computing (--devices: one an engine)."""
-        if len(self.batchers) == 1:
-            return self.batchers[0]
-        loads = [(stats.queue_depth + stats.in_flight, i) for i, stats in enumerate(b.stats() for b in self.batchers)]
-        return self.batchers[min(loads)[1]]
 
     # -- the app ----------------------------------------------------------------------------------
 
@@ -389,7 +395,7 @@ class Service:
                 note = response.headers.get("x-cache", "")
             except HttpError as exc:
                 response, note = _error(exc.status, str(exc)), str(exc)
-            except _ClientGone:
+            except (_ClientGone, ClientDisconnect):
                 response, note = Response(status_code=CLIENT_GONE), "client disconnected: its work dropped"
             except Exception as exc:
                 log.error("glmvit-cupy: internal error on %s %s\n%s", method, path, traceback.format_exc().rstrip())
