@@ -18,6 +18,7 @@ from typing import Callable
 import click
 import numpy as np
 
+from glmvit_cupy.batcher import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_MS, DEFAULT_TIMEOUT_S
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
@@ -394,11 +395,12 @@ then the server exits 0 (a second signal exits at once).""")
               help="Port to listen on (0: any free one; the start line names it).")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
               help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=1024, show_default=True,
+@click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULT_MAX_QUEUE, show_default=True,
               help="Images waiting (or decoding) per engine; past it a request gets 429 at once.")
-@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="How long a lone image waits for others to share its forward call.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=60.0,
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=DEFAULT_MAX_WAIT_MS, show_default=True,
+              help="How long a decoded image waits for images still decoding to share its forward call "
+                   "(a lone image never waits).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TIMEOUT_S,
               show_default=True, help="Seconds an image may wait for its result; past it the request gets 504.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Pixel budget of one forward call, all images packed into it together (sizes the "

@@ -46,9 +46,9 @@ from starlette.routing import Route
 from . import __version__
 from .encoder_cache import HIT, EncoderCache, image_digest
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
-from .pipeline import OUTPUTS
+from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
 from .preprocess import EncodedImage
-from .staging import DTYPES
+from .staging import DEFAULT_DTYPE, DTYPES
 from .synthetic import photo_like
 from .writer import safetensors_chunks
 
@@ -56,6 +56,7 @@ log = logging.getLogger("glmvit_cupy.serve")
 
 DEFAULT_PAYLOAD_LIMIT = 32 * 2**20  # bytes of a request body: a large photo as base64 JSON, with room
 DEFAULT_CACHE_BYTES = 256 * 2**20
+WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
@@ -207,8 +208,9 @@ class Service:
     # -- life -------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        workers = max(1, DEFAULT_WORKERS // len(self.vits))  # the host's decode cores, shared by the engines
         self.batchers = [vit.batcher(max_wait_ms=self.limits.max_wait_ms, max_queue=self.limits.max_queue,
-                                     timeout_s=self.limits.timeout_s, on_batch=self.metrics.on_batch)
+                                     timeout_s=self.limits.timeout_s, workers=workers, on_batch=self.metrics.on_batch)
                          for vit in self.vits]
         self._warmup = asyncio.ensure_future(self._warm_up())
 
@@ -217,13 +219,20 @@ class Service:
         builds its kernels' tables and graph)."""
         t0 = time.perf_counter()
         image = photo_like(448, 448)
-        try:
-            await asyncio.gather(*(b.aencode(image) for b in self.batchers))
-        except Exception as exc:
-            if not isinstance(exc, GlmVitError):
-                log.error("%s", traceback.format_exc().rstrip())
-            self.fail(f"the warm-up encode failed: {exc}")
-            return
+        while True:
+            try:
+                await asyncio.gather(*(b.aencode(image) for b in self.batchers))
+                break
+            except RequestTimeout as exc:  # the first encode also waits for the decode workers to start
+                if time.perf_counter() - t0 > WARMUP_S:
+                    self.fail(f"the warm-up encode did not succeed within {WARMUP_S:g} s: {exc}")
+                    return
+                log.info("glmvit-cupy: the warm-up encode timed out (%s); trying again", exc)
+            except Exception as exc:
+                if not isinstance(exc, GlmVitError):
+                    log.error("%s", traceback.format_exc().rstrip())
+                self.fail(f"the warm-up encode failed: {exc}")
+                return
         self.ready = True
         log.info("glmvit-cupy: ready (warm-up encode on %d engine(s) in %.1f s)", len(self.batchers),
                  time.perf_counter() - t0)
@@ -260,8 +269,8 @@ class Service:
                             headers={"x-cache": ",".join(e.cache for e in encoded)})
 
     async def embed(self, request: Request, timing: _Timing) -> Response:
-        output = request.query_params.get("output", "pooler")
-        dtype = request.query_params.get("dtype", "float32")
+        output = request.query_params.get("output", DEFAULT_OUTPUT)
+        dtype = request.query_params.get("dtype", DEFAULT_DTYPE)
         _check_choice("output", output, OUTPUTS)
         _check_choice("dtype", dtype, DTYPES)
         media = _media_type(request.headers.get("accept"))
@@ -278,7 +287,8 @@ class Service:
             return Response(_npy(next(iter(arrays.values()))), media_type=MEDIA_NPY, headers=headers)
         tensors = {**arrays, "grid_thw": one.output.grid_thw}
         specs = [(name, SAFETENSORS_DTYPES[a.dtype.name], list(a.shape)) for name, a in tensors.items()]
-        body = b"".join(safetensors_chunks(specs, (np.ascontiguousarray(a).data for a in tensors.values()), "/embed"))
+        data = (np.ascontiguousarray(a).view(np.uint8).data for a in tensors.values())  # bfloat16 has no buffer format
+        body = b"".join(safetensors_chunks(specs, data, "/embed"))
         return Response(body, media_type=MEDIA_SAFETENSORS, headers=headers)
 
     async def health(self, request: Request, timing: _Timing) -> Response:
@@ -563,7 +573,7 @@ def _parse_embeddings(body: bytes, model: str) -> tuple[list[str], str, str, str
         raise HttpError(400, f"model {request['model']!r}: this server serves {model!r}")
     encoding = request.get("encoding_format", "float")
     _check_choice("encoding_format", encoding, ("float", "base64"))
-    output, dtype = request.get("output", "pooler"), request.get("dtype", "float32")
+    output, dtype = request.get("output", DEFAULT_OUTPUT), request.get("dtype", DEFAULT_DTYPE)
     _check_choice("output", output, OUTPUTS)
     _check_choice("dtype", dtype, DTYPES)
     return inputs, output, dtype, encoding
