@@ -72,9 +72,9 @@ class Limits:
     max_queue: int
     max_wait_ms: float
     timeout_s: float
-    payload_limit: int = DEFAULT_PAYLOAD_LIMIT
-    cache_bytes: int = DEFAULT_CACHE_BYTES
-    allow_files: Path | None = None  # the directory path inputs must lie under; None: no paths
+    payload_limit: int  # bytes of a request body (and of a file read through allow_files)
+    cache_bytes: int
+    allow_files: Path | None  # the directory path inputs must lie under; None: no paths
 
 
 class HttpError(Exception):
@@ -465,7 +465,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain before its shutdown. The first SIGTERM/SIGINT makes /health and new
     work answer 503 (a load balancer takes the replica out) while the accepted requests finish; once none
     is left, uvicorn's own graceful shutdown runs (listener closed, the batchers closed). A second signal
-    exits at once. A failed warm-up ends the server too (`service.failure`)."""
+    exits at once. An engine that cannot serve (`service.failure`: the warm-up or a GPU fault) ends the
+    server too, with status 1, for its supervisor to restart it."""
 
     def __init__(self, config: uvicorn.Config, service: Service) -> None:
         super().__init__(config)
