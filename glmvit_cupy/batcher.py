@@ -52,11 +52,13 @@ DEFAULT_TIMEOUT_S = 60.0
 @dataclasses.dataclass(frozen=True)
 class BatcherStats:
     """A snapshot: requests waiting (decoding or ready), batches on the engine, totals since
-    start, and the engine's busy seconds (CUDA events; 0 on the NumPy backend)."""
+    start (images decoded, whether or not they reached a batch), and the engine's busy seconds
+    (CUDA events; 0 on the NumPy backend)."""
 
     queue_depth: int
     in_flight: int
     requests: int
+    decoded: int
     batches: int
     images: int
     tokens: int
@@ -106,7 +108,7 @@ class Batcher:
         self._in_flight: deque[tuple[Any, list[_Request], float]] = deque()
         self._closed = False
         self._started = time.perf_counter()
-        self._totals = {"requests": 0, "batches": 0, "images": 0, "tokens": 0, "gpu_ms": 0.0}
+        self._totals = {"requests": 0, "decoded": 0, "batches": 0, "images": 0, "tokens": 0, "gpu_ms": 0.0}
         self._threads = [threading.Thread(target=self._dispatch, name="glmvit-batcher-dispatch", daemon=True),
                          threading.Thread(target=self._collect, name="glmvit-batcher-collect", daemon=True)]
         for thread in self._threads:
@@ -144,8 +146,8 @@ class Batcher:
     def stats(self) -> BatcherStats:
         with self._lock:
             t = self._totals
-            return BatcherStats(len(self._order), len(self._in_flight), t["requests"], t["batches"], t["images"],
-                                t["tokens"], t["gpu_ms"] / 1000, time.perf_counter() - self._started)
+            return BatcherStats(len(self._order), len(self._in_flight), t["requests"], t["decoded"], t["batches"],
+                                t["images"], t["tokens"], t["gpu_ms"] / 1000, time.perf_counter() - self._started)
 
     def close(self) -> None:
         """Take no more requests; answer those taken; stop the threads and decode workers."""
@@ -193,6 +195,7 @@ class Batcher:
         if decode.cancelled():
             return
         with self._lock:
+            self._totals["decoded"] += 1
             if request.state != "decoding":
                 return
             if decode.exception() is not None:  # a bug in a decode thread: this request's, not the batcher's

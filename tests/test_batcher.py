@@ -8,7 +8,6 @@ import asyncio
 import io
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -157,7 +156,7 @@ def test_cancelled_requests_cost_nothing(vit, images):
         last = batcher.submit(images[7]).result(timeout=120)
         stats = batcher.stats()
     assert last.pooler_output is not None
-    assert stats.images == 2 and stats.queue_depth == 0  # the six never reached the engine
+    assert stats.decoded == 2 and stats.images == 2 and stats.queue_depth == 0  # the six: never decoded
 
 
 def test_a_cancelled_coroutine_cancels_its_request(vit, images):

@@ -103,7 +103,7 @@ def test_encode_iter_equals_forward_and_keeps_the_gpu_busy(vit, tmp_path):
         h, w = SIZES[i % len(SIZES)]
         paths.append(tmp_path / f"p{i:02d}.{'jpg' if i % 2 else 'png'}")
         Image.fromarray(photo_like(h, w, seed=100 + i)).save(paths[-1], quality=92)
-    results = dict(vit.encode_iter(paths))
+    results = dict(vit.encode_iter(paths, output="both", dtype="float32"))
     assert list(results) == paths
     prepared = [canvas(p) for p in paths]
     counts = [int(np.prod(canvas_grid(c.shape))) for c in prepared]

@@ -16,6 +16,8 @@ from glmvit_cupy.synthetic import photo_like
 from helpers import KERNEL_SETS, rel_err, skip_unless_available
 
 pytestmark = pytest.mark.gpu
+BATCH_FACTOR = 1.5  # a batched result's error against the float32 reference, over the image alone's
+ALONE_SPREAD = 3e-2  # relative difference of a batched result from the image alone (both BF16 engines)
 
 
 def in_fresh_thread(call):
@@ -66,10 +68,13 @@ def test_first_calls_from_fresh_threads_on_new_grids(real_ckpt, kernels):
         vit.close()
 
 
-def test_batcher_results_equal_encode_alone_within_the_engine(real_ckpt):
-    """32 threads through one batcher, photos of many sizes as PNG bytes: each result within
-    BF16 rounding of that image encoded alone (a batch's GEMMs tile other row counts), and the
-    requests shared forward calls."""
+def test_batcher_results_are_as_accurate_as_encode_alone(real_ckpt):
+    """32 threads through one batcher, photos of many sizes as PNG bytes, the requests sharing
+    forward calls. A batch's results are not the bits of the image alone (its GEMMs and the
+    flash work list tile other row counts, and BF16 activations carry the difference through
+    24 blocks), so each is held to the float32 reference as the image alone is: at most
+    BATCH_FACTOR x the error of encode alone (checked on three images: the reference is slow),
+    and within ALONE_SPREAD of encode alone for every image."""
     import io
 
     from PIL import Image
@@ -89,7 +94,13 @@ def test_batcher_results_equal_encode_alone_within_the_engine(real_ckpt):
                                     range(96)))
             stats = batcher.stats()
         for i, out in enumerate(results):
-            assert rel_err(out.pooler_output, alone[i % 12]) < 1e-2, i
+            assert rel_err(out.pooler_output, alone[i % 12]) < ALONE_SPREAD, i
+        with GlmVit.from_pretrained(real_ckpt, backend="numpy") as reference:
+            for i, ref in enumerate(reference.encode(images[:3], dtype="float32", workers=1)):
+                err_alone = rel_err(alone[i], ref.pooler_output)
+                worst = max(rel_err(out.pooler_output, ref.pooler_output) for out in results[i::12])
+                print(f"batcher: image {i}: error {worst:.2e} in batches, {err_alone:.2e} alone")
+                assert worst <= BATCH_FACTOR * err_alone, i
         assert stats.batches < 96 and stats.gpu_busy_s > 0
         print(f"batcher: 96 requests in {stats.batches} batches, GPU busy {stats.gpu_busy_s:.2f} s")
     finally:
