@@ -19,6 +19,7 @@ import click
 import numpy as np
 
 from glmvit_cupy.batcher import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_MS, DEFAULT_TIMEOUT_S
+from glmvit_cupy.encoder_cache import DEFAULT_CACHE_BYTES
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
@@ -382,7 +383,7 @@ def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> N
 Examples:
   glmvit-cupy serve --model ckpt
   glmvit-cupy serve --model zai-org/GLM-5.3-Flash --host 0.0.0.0 --port 8080 --devices all
-  curl -s --data-binary @photo.jpg -H 'Accept: application/x-npy' localhost:8000/embed -o emb.npy
+  curl -s --data-binary @photo.jpg -H 'Accept: application/x-npy' 'localhost:8000/embed?dtype=float32' -o emb.npy
   curl -s localhost:8000/v1/embeddings -H 'Content-Type: application/json' \\
        -d '{"input": ["data:image/jpeg;base64,'"$(base64 -w0 photo.jpg)"'"], "encoding_format": "base64"}'
 
@@ -407,9 +408,9 @@ then the server exits 0 (a second signal exits at once).""")
                    f"GPU scratch). [default: one image of {MAX_IMAGE_TOKENS} merged tokens]")
 @click.option("--payload-limit", type=click.IntRange(min=1), default=None,
               help="Largest request body (and --allow-files file), bytes; past it 413. [default: 32 MiB]")
-@click.option("--cache-bytes", type=click.IntRange(min=0), default=None,
+@click.option("--cache-bytes", type=click.IntRange(min=0), default=DEFAULT_CACHE_BYTES, show_default=True,
               help="Encoder cache (results by sha256 of the image bytes), LRU within this many bytes; 0: "
-                   "keep none. [default: 256 MiB]")
+                   "keep none.")
 @click.option("--allow-files", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               metavar="DIR", help="Accept paths (and file:// URLs) as /v1/embeddings inputs, only under DIR. "
                                   "[default: refuse every path]")
@@ -421,7 +422,7 @@ then the server exits 0 (a second signal exits at once).""")
 @processor_options
 @user_errors
 def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, max_wait_ms: float, timeout_s: float,
-          max_pixels: int | None, payload_limit: int | None, cache_bytes: int | None, allow_files: Path | None,
+          max_pixels: int | None, payload_limit: int | None, cache_bytes: int, allow_files: Path | None,
           devices: str | None, kernels: str, min_image_tokens: int | None, max_image_tokens: int | None) -> None:
     """Serve embeddings over HTTP (the [serve] extra): POST /v1/embeddings (OpenAI-shaped,
     images as data:image/...;base64, URLs), POST /embed (an image file's bytes in, safetensors
@@ -442,7 +443,7 @@ def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, ma
     directory = resolve_model(model_dir)
     limits = server.Limits(max_queue=max_queue, max_wait_ms=max_wait_ms, timeout_s=timeout_s,
                            payload_limit=server.DEFAULT_PAYLOAD_LIMIT if payload_limit is None else payload_limit,
-                           cache_bytes=server.DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes,
+                           cache_bytes=cache_bytes,
                            allow_files=None if allow_files is None else allow_files.resolve())
     sock = server.listen(host, port)  # a port in use is refused before the tower is read
     vits = _engines(directory, backend, devices, max_pixels, kernels, min_image_tokens, max_image_tokens)

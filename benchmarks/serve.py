@@ -222,8 +222,8 @@ def markdown(r: dict) -> str:
     fwd, env, lone, sat = r["forward_only"], r["env"], r["lone"], r["saturation"]
     half = next((p for p in r["poisson"] if p["share"] == 0.5), None)
     over, cache, soak = r["overload"], r["cache"], r["soak"]
-    flat = ", ".join(f"{s} {'flat' if f['flat'] else 'GROWS'} ({f['first_minute_max']:.0f} -> {f['last_minute_max']:.0f})"
-                     if f else f"{s} n/a (too short)" for s, f in soak["flat"].items())
+    flat = ", ".join(f"{s} {'flat' if f['flat'] else 'GROWS'} ({f['first_minute_max']:.0f} -> "
+                     f"{f['last_minute_max']:.0f})" if f else f"{s} n/a (too short)" for s, f in soak["flat"].items())
     lines = [f"{env['date']}, {env['device']}, {env['cpus']} CPUs, backend {r['backend']}; {r['images']} photos of "
              f"long side <= {LONG_SIDE_MAX} px, base64 responses, --max-queue {r['max_queue']}", "",
              "| measure | value | target |", "| --- | --- | --- |",

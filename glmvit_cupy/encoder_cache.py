@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable
 from .preprocess import ProcessorConfig
 
 HIT, MISS, SHARED = "hit", "miss", "shared"  # a stored result; a computation started; one joined
+DEFAULT_CACHE_BYTES = 256 * 2**20  # serve --cache-bytes: 32 real-tower BF16 pooler outputs of 1,000 tokens
 
 
 def image_digest(data: bytes) -> str:

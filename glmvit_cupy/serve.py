@@ -55,7 +55,6 @@ from .writer import safetensors_chunks
 log = logging.getLogger("glmvit_cupy.serve")
 
 DEFAULT_PAYLOAD_LIMIT = 32 * 2**20  # bytes of a request body: a large photo as base64 JSON, with room
-DEFAULT_CACHE_BYTES = 256 * 2**20
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
