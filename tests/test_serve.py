@@ -21,6 +21,7 @@ from PIL import Image
 httpx = pytest.importorskip("httpx", reason="the [serve] extra is not installed")
 pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 
+import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess  # noqa: E402
@@ -151,7 +152,7 @@ def test_health_info_and_metrics(server, vit):
     metrics = server.metrics()
     assert metrics[("glmvit_ready", ())] == 1
     assert metrics[("glmvit_engine_info", (("backend", "numpy"), ("engines", "1"), ("fingerprint", vit.fingerprint),
-                                           ("model", server.model), ("version", "0.1.0")))] == 1
+                                           ("model", server.model), ("version", glmvit_cupy.__version__)))] == 1
     for name in ("glmvit_queue_size", "glmvit_engine_busy_ratio", "glmvit_engine_images_total"):
         assert (name, (("engine", "0"),)) in metrics, name
     assert metrics[("glmvit_requests_total", (("route", "/health"), ("status", "200")))] >= 1
