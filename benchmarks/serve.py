@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import base64
 import io
-import json
 import time
 from pathlib import Path
 
