@@ -39,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
+from .geometry import check_patch_budget
 from .model import GlmVitOutput, Timing, check_output_options, library_output
 from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, Decoder, Prepared, item_name
 from .preprocess import canvas_grid, image_input
@@ -206,10 +207,10 @@ class Batcher:
                 self._fail(request, InputError(prep.error))
                 return
             request.patches = int(np.prod(canvas_grid(prep.canvas.shape, self.vit.processor)))
-            if request.patches > self.vit.p_max:
-                self._fail(request, InputError(
-                    f"{item_name(request.item)}: {request.patches} patches exceed the engine's p_max of "
-                    f"{self.vit.p_max}: raise max_pixels to at least {request.patches * self.vit.geometry.patch_size ** 2}"))
+            try:
+                check_patch_budget(self.vit.geometry, request.patches, self.vit.p_max, item_name(request.item))
+            except GlmVitError as exc:
+                self._fail(request, InputError(str(exc)))
                 return
             request.prep, request.state, request.ready_at, request.decode_s = prep, "ready", time.perf_counter(), \
                 prep.decode_s

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .errors import GlmVitError
+from .geometry import check_patch_budget
 from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
@@ -349,10 +350,15 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
         for item, prep in zip(mine, decoder.map(theirs, processor)):
             slot = [item, None]
             order.append(slot)
+            if prep.error is None:
+                n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
+                try:  # an image no forward call holds is its own failure, not the run's
+                    check_patch_budget(vit.geometry, n, vit.p_max, item_name(item))
+                except GlmVitError as exc:
+                    prep = Prepared(None, str(exc), prep.nbytes, prep.sha256)
             if prep.error is not None:
                 slot[1] = Encoded(item, None, None, prep.error, prep.nbytes, prep.sha256)
             else:
-                n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
                 if batch and patches + n > vit.p_max:
                     submit()
                     while len(in_flight) >= stager.depth:  # one engine: k+1 uploads while k computes

@@ -13,25 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers import live_processes
 from test_pipeline import make_images
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def session_processes(sid: int) -> list[int]:
-    """Live (not zombie) processes of session `sid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append(int(entry))
-    return found
+    """Live processes of session `sid`."""
+    return [pid for pid, fields, _ in live_processes() if int(fields[3]) == sid]
 
 
 def wait_for(predicate, timeout: float, what: str):
