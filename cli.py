@@ -442,9 +442,11 @@ then the server exits 0 (a second signal exits at once).""")
 def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, max_wait_ms: float, timeout_s: float,
           max_pixels: int | None, payload_limit: int | None, cache_bytes: int, allow_files: Path | None,
           devices: str | None, kernels: str, min_image_tokens: int | None, max_image_tokens: int | None) -> None:
-    """Serve embeddings over HTTP (the [serve] extra): POST /v1/embeddings (OpenAI-shaped,
-    images as data:image/...;base64, URLs), POST /embed (an image file's bytes in, safetensors
-    or .npy out), GET /health, /info and /metrics (Prometheus).
+    """Serve embeddings over HTTP (the [serve] extra).
+
+    POST /v1/embeddings (OpenAI's shape, images as data:image/...;base64, URLs), POST /embed
+    (an image file's bytes in, safetensors or .npy out), GET /health, /info and /metrics
+    (Prometheus).
 
     Requests from every client are batched into shared forward calls; results are cached by
     the sha256 of the image bytes. Each request is one line on stderr.
