@@ -29,14 +29,19 @@ from test_cli import assert_clean_failure, run  # noqa: E402
 
 TOLERANCE = 1e-5  # float32 outputs of the same image in another batch (test_pipeline's batched vs alone)
 PAYLOAD_LIMIT = 4 * 2**20
-BIG = 896  # a side whose forward takes ~1 s on this tower on the CPU: work that stays queued a while
-ONE_BIG = str(BIG * BIG)  # --max-pixels: one big image a forward call
+HUGE = 1344  # a side whose forward takes ~1.7 s on this tower on this CPU: the engine stays busy a while
 
 
 def png(side: int | tuple[int, int], seed: int) -> bytes:
     h, w = (side, side) if isinstance(side, int) else side
     out = io.BytesIO()
     Image.fromarray(photo_like(h, w, seed=seed)).save(out, "PNG")
+    return out.getvalue()
+
+
+def jpeg(side: int, seed: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(photo_like(side, side, seed=seed)).save(out, "JPEG", quality=90)
     return out.getvalue()
 
 
@@ -202,73 +207,106 @@ def test_fifty_bad_images_in_a_row_leave_the_server_healthy_and_serving(server, 
     assert r.status_code == 200 and safetensors_arrays(r.content)["pooler_output"].shape[1] == 256
 
 
+async def occupy_engine(client: httpx.AsyncClient, server: ServerProcess, seed: int, engine: str = "0"):
+    """A HUGE image's request, returned once its forward has started: on the NumPy backend the forward
+    runs in the batcher's dispatcher, so nothing else reaches that engine for its ~1.7 s (longer on a
+    loaded machine). The metrics say when: the engine took one more request and none waits."""
+    before = await asyncio.to_thread(server.metric, "glmvit_engine_requests_total", engine=engine)
+    task = asyncio.ensure_future(client.post(f"{server.url}/embed", content=jpeg(HUGE, seed)))
+    while not (await asyncio.to_thread(server.metric, "glmvit_engine_requests_total", engine=engine) == before + 1
+               and await asyncio.to_thread(server.metric, "glmvit_queue_size", engine=engine) == 0):
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 def test_identical_concurrent_requests_are_computed_once(server):
-    image = png(BIG // 2, seed=21)  # a new image, a few hundred ms to compute: all requests overlap it
+    image = png(64, seed=21)  # a new image
     names = ("hit", "miss", "shared")
     before = {k: server.metric("glmvit_cache_requests_total", result=k) for k in names}
     engine = server.metric("glmvit_engine_requests_total", engine="0")
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(client.post(f"{server.url}/embed", content=image) for _ in range(8)))
-    responses = asyncio.run(main())
-    assert [r.status_code for r in responses] == [200] * 8
+            busy = await occupy_engine(client, server, seed=20)  # so all 8 arrive while the first is queued
+            same = await asyncio.gather(*(client.post(f"{server.url}/embed", content=image) for _ in range(8)))
+            return same, await busy
+    responses, busy = asyncio.run(main())
+    assert busy.status_code == 200 and [r.status_code for r in responses] == [200] * 8
     assert len({r.content for r in responses}) == 1
     after = {k: server.metric("glmvit_cache_requests_total", result=k) - before[k] for k in names}
-    assert after["miss"] == 1 and after["shared"] + after["hit"] == 7 and after["shared"] >= 1, after
-    assert server.metric("glmvit_engine_requests_total", engine="0") - engine == 1
-    assert sorted(r.headers["x-cache"] for r in responses).count("miss") == 1
+    assert after == {"hit": 0, "miss": 2, "shared": 7}, after  # the busy image's miss, then the 8
+    assert server.metric("glmvit_engine_requests_total", engine="0") - engine == 2
+    assert sorted(r.headers["x-cache"] for r in responses) == ["miss"] + ["shared"] * 7
 
 
-def test_a_client_that_disconnects_has_its_queued_work_dropped(tiny_ckpt):
-    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-pixels", ONE_BIG) as server:
-        engine = server.metric("glmvit_engine_images_total", engine="0")
-
-        async def main():
-            async with httpx.AsyncClient(timeout=60) as client:
-                ahead = [asyncio.ensure_future(client.post(f"{server.url}/embed", content=png(BIG, seed=30 + i)))
-                         for i in range(2)]
-                await asyncio.sleep(0.3)
-                with pytest.raises(httpx.TimeoutException):  # gives up: httpx closes the connection
-                    await client.post(f"{server.url}/embed", content=png(BIG, seed=40), timeout=0.3)
-                return await asyncio.gather(*ahead)
-        assert [r.status_code for r in asyncio.run(main())] == [200, 200]
-        server.wait_for(r"POST /embed 499 .* client disconnected", 10)
-        assert server.metric("glmvit_requests_total", route="/embed", status="499") == 1
-        time.sleep(1.5)  # time enough for a forward of the dropped image, had it been kept
-        assert server.metric("glmvit_engine_images_total", engine="0") - engine == 2
-        assert server.metric("glmvit_queue_size", engine="0") == 0
+@pytest.fixture(scope="module")
+def small_queue(tiny_ckpt):
+    """A server taking 2 waiting images at most, answering 504 past 0.6 s."""
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2", "--timeout", "0.6") as s:
+        yield s
 
 
-def test_overload_is_429_and_a_late_image_504(tiny_ckpt):
-    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-pixels", ONE_BIG, "--max-queue", "2",
-                       "--timeout", "0.5") as server:
-        async def main():
-            async with httpx.AsyncClient(timeout=60) as client:
-                return await asyncio.gather(*(client.post(f"{server.url}/embed", content=png(BIG, seed=50 + i))
-                                              for i in range(6)))
-        responses = asyncio.run(main())
-        statuses = sorted(r.status_code for r in responses)
-        assert set(statuses) <= {200, 429, 504} and 429 in statuses and 504 in statuses, statuses
-        for r in responses:
-            if r.status_code == 429:
-                assert error_of(r).startswith("overloaded: ")
-            elif r.status_code == 504:
-                assert error_of(r).startswith("body: ")
-        assert httpx.get(f"{server.url}/health").status_code == 200
+def test_a_client_that_disconnects_has_its_queued_work_dropped(small_queue):
+    server = small_queue
+    requests, images = (server.metric(name, engine="0") for name in ("glmvit_engine_requests_total",
+                                                                      "glmvit_engine_images_total"))
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            busy = await occupy_engine(client, server, seed=30)
+            with pytest.raises(httpx.TimeoutException):  # gives up while queued: httpx closes the connection
+                await client.post(f"{server.url}/embed", content=png(64, seed=31), timeout=0.3)
+            return await busy
+    assert asyncio.run(main()).status_code == 200
+    server.wait_for(r"POST /embed 499 .* client disconnected", 10)
+    assert server.metric("glmvit_requests_total", route="/embed", status="499") == 1
+    assert server.metric("glmvit_engine_requests_total", engine="0") - requests == 2  # it was queued...
+    time.sleep(0.5)  # time enough for its forward, had it been kept
+    assert server.metric("glmvit_engine_images_total", engine="0") - images == 1  # ...and never computed
+    assert server.metric("glmvit_queue_size", engine="0") == 0
+
+
+def test_overload_is_429_at_once_and_a_late_image_504(small_queue):
+    server = small_queue
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            busy = await occupy_engine(client, server, seed=40)
+            queued = [asyncio.ensure_future(client.post(f"{server.url}/embed", content=png(64, seed=41 + i)))
+                      for i in range(2)]
+            await until(lambda: server.metric("glmvit_queue_size", engine="0") == 2)
+            t0 = time.perf_counter()
+            refused = await client.post(f"{server.url}/embed", content=png(64, seed=43))
+            return refused, time.perf_counter() - t0, await asyncio.gather(*queued), await busy
+    refused, refused_s, late, busy = asyncio.run(main())
+    assert refused.status_code == 429 and error_of(refused).startswith("overloaded: 2 requests are already waiting")
+    assert refused_s < 0.5  # at once, not after a wait
+    for r in late:
+        assert r.status_code == 504 and error_of(r).startswith("body: ") and "0.6 s" in error_of(r), r.text
+    assert busy.status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
-    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-pixels", ONE_BIG,
-                           "--devices", "0,1")
+    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1")
     try:
         assert {server.metric("glmvit_engine_images_total", engine=e) for e in ("0", "1")} == {1}  # the warm-ups
 
+        def taken() -> float:
+            return sum(server.metric("glmvit_engine_requests_total", engine=e) for e in ("0", "1"))
+
         async def main():
             async with httpx.AsyncClient(timeout=60) as client:
-                work = [asyncio.ensure_future(client.post(f"{server.url}/embed", content=png(BIG, seed=60 + i)))
+                work = [asyncio.ensure_future(client.post(f"{server.url}/embed", content=jpeg(HUGE, seed=60 + i)))
                         for i in range(4)]
-                await asyncio.sleep(0.5)
+                await until(lambda: taken() == 2 + 4)  # all four taken: none done (a forward takes ~1.7 s)
                 server.proc.send_signal(15)
                 await asyncio.to_thread(server.wait_for, "draining: 4 request", 10)
                 health = await client.get(f"{server.url}/health")
