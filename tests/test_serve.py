@@ -246,15 +246,7 @@ def test_identical_concurrent_requests_are_computed_once(server):
     assert sorted(r.headers["x-cache"] for r in responses) == ["miss"] + ["shared"] * 7
 
 
-@pytest.fixture(scope="module")
-def small_queue(tiny_ckpt):
-    """A server taking 2 waiting images at most, answering 504 past 0.6 s."""
-    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2", "--timeout", "0.6") as s:
-        yield s
-
-
-def test_a_client_that_disconnects_has_its_queued_work_dropped(small_queue):
-    server = small_queue
+def test_a_client_that_disconnects_has_its_queued_work_dropped(server):
     requests, images = (server.metric(name, engine="0") for name in ("glmvit_engine_requests_total",
                                                                       "glmvit_engine_images_total"))
 
@@ -273,10 +265,8 @@ def test_a_client_that_disconnects_has_its_queued_work_dropped(small_queue):
     assert server.metric("glmvit_queue_size", engine="0") == 0
 
 
-def test_overload_is_429_at_once_and_a_late_image_504(small_queue):
-    server = small_queue
-
-    async def main():
+def test_overload_is_429_at_once_and_a_late_image_504(tiny_ckpt):
+    async def main(server):
         async with httpx.AsyncClient(timeout=60) as client:
             busy = await occupy_engine(client, server, seed=40)
             queued = [asyncio.ensure_future(client.post(f"{server.url}/embed", content=png(64, seed=41 + i)))
@@ -285,13 +275,15 @@ def test_overload_is_429_at_once_and_a_late_image_504(small_queue):
             t0 = time.perf_counter()
             refused = await client.post(f"{server.url}/embed", content=png(64, seed=43))
             return refused, time.perf_counter() - t0, await asyncio.gather(*queued), await busy
-    refused, refused_s, late, busy = asyncio.run(main())
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2",
+                       "--timeout", "0.6") as server:
+        refused, refused_s, late, busy = asyncio.run(main(server))
+        assert httpx.get(f"{server.url}/health").status_code == 200
     assert refused.status_code == 429 and error_of(refused).startswith("overloaded: 2 requests are already waiting")
     assert refused_s < 0.5  # at once, not after a wait
     for r in late:
         assert r.status_code == 504 and error_of(r).startswith("body: ") and "0.6 s" in error_of(r), r.text
     assert busy.status_code == 200
-    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
