@@ -333,9 +333,8 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
         for i, (slot, prep) in enumerate(members):
             a, b = int(pending.offsets[i]), int(pending.offsets[i + 1])
             if not ok[a:b].all():
-                name = getattr(slot[0], "name", f"image {i}")
-                slot[1] = Encoded(slot[0], None, None, f"{name}: the embedding has non-finite values (NaN or Inf)",
-                                  prep.nbytes, prep.sha256)
+                slot[1] = Encoded(slot[0], None, None, f"{item_name(slot[0])}: the embedding has non-finite values "
+                                  "(NaN or Inf)", prep.nbytes, prep.sha256)
                 continue
             stats.tokens += b - a
             slot[1] = Encoded(slot[0], {name: arr[a:b] for name, arr in arrays.items()}, pending.grid_thw[i],
