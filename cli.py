@@ -18,6 +18,8 @@ from typing import Callable
 import click
 import numpy as np
 
+from glmvit_cupy.batcher import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_MS, DEFAULT_TIMEOUT_S
+from glmvit_cupy.encoder_cache import DEFAULT_CACHE_BYTES
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
@@ -393,6 +395,104 @@ def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> N
     loc = locate_tower(out)
     click.echo(f"{out}: {geometry} tower, {len(loc.entries)} BF16 tensors, "
                f"{loc.tower_bytes / 2**20:.1f} MiB, seed {seed}")
+
+
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy serve --model ckpt
+  glmvit-cupy serve --model zai-org/GLM-5.3-Flash --host 0.0.0.0 --port 8080 --devices all
+  curl -s --data-binary @photo.jpg -H 'Accept: application/x-npy' 'localhost:8000/embed?dtype=float32' -o emb.npy
+  curl -s localhost:8000/v1/embeddings -H 'Content-Type: application/json' \\
+       -d '{"input": ["data:image/jpeg;base64,'"$(base64 -w0 photo.jpg)"'"], "encoding_format": "base64"}'
+
+SIGTERM or Ctrl-C drains: /health and new requests answer 503, the accepted ones finish,
+then the server exits 0 (a second signal exits at once).""")
+@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; only this host unless told).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free one; the start line names it).")
+@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
+              help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULT_MAX_QUEUE, show_default=True,
+              help="Images waiting (or decoding) per engine; past it a request gets 429 at once.")
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=DEFAULT_MAX_WAIT_MS, show_default=True,
+              help="How long a decoded image waits for images still decoding to share its forward call "
+                   "(a lone image never waits).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TIMEOUT_S,
+              show_default=True, help="Seconds an image may wait for its result; past it the request gets 504.")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
+              help="Pixel budget of one forward call, all images packed into it together (sizes the "
+                   f"GPU scratch). [default: one image of {MAX_IMAGE_TOKENS} merged tokens]")
+@click.option("--payload-limit", type=click.IntRange(min=1), default=None,
+              help="Largest request body (and --allow-files file), bytes; past it 413. [default: 32 MiB]")
+@click.option("--cache-bytes", type=click.IntRange(min=0), default=DEFAULT_CACHE_BYTES, show_default=True,
+              help="Encoder cache (results by sha256 of the image bytes), LRU within this many bytes; 0: "
+                   "keep none.")
+@click.option("--allow-files", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              metavar="DIR", help="Accept paths (and file:// URLs) as /v1/embeddings inputs, only under DIR. "
+                                  "[default: refuse every path]")
+@click.option("--devices", default=None, metavar="all|0,1,...",
+              help="One engine per GPU, one batcher each, requests to the least loaded. With --backend numpy, "
+                   "CPU engines. [default: one engine]")
+@click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
+              help="The GPU engine's kernels: auto takes the Hopper ones on sm_90, else the generic ones.")
+@processor_options
+@user_errors
+def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, max_wait_ms: float, timeout_s: float,
+          max_pixels: int | None, payload_limit: int | None, cache_bytes: int, allow_files: Path | None,
+          devices: str | None, kernels: str, min_image_tokens: int | None, max_image_tokens: int | None) -> None:
+    """Serve embeddings over HTTP (the [serve] extra).
+
+    POST /v1/embeddings (OpenAI's shape, images as data:image/...;base64, URLs), POST /embed
+    (an image file's bytes in, safetensors or .npy out), GET /health, /info and /metrics
+    (Prometheus).
+
+    Requests from every client are batched into shared forward calls; results are cached by
+    the sha256 of the image bytes. Each request is one line on stderr.
+    """
+    try:
+        from glmvit_cupy import serve as server
+    except ImportError as exc:
+        if exc.name not in ("starlette", "uvicorn", "prometheus_client"):
+            raise
+        raise GlmVitError(f'serve needs the [serve] extra ({exc.name} is not installed): pip install -e ".[serve]"') \
+            from None
+    from glmvit_cupy.hub import resolve_model
+
+    directory = resolve_model(model_dir)
+    limits = server.Limits(max_queue=max_queue, max_wait_ms=max_wait_ms, timeout_s=timeout_s,
+                           payload_limit=server.DEFAULT_PAYLOAD_LIMIT if payload_limit is None else payload_limit,
+                           cache_bytes=cache_bytes,
+                           allow_files=None if allow_files is None else allow_files.resolve())
+    sock = server.listen(host, port)  # a port in use is refused before the tower is read
+    vits = _engines(directory, backend, devices, max_pixels, kernels, min_image_tokens, max_image_tokens)
+    if vits[0].backend_note and vits[0].backend == "numpy":
+        click.echo(f"glmvit-cupy: {vits[0].backend_note}", err=True)
+    try:
+        status = server.run(vits, model=model_dir, directory=directory, limits=limits, sock=sock)
+    finally:
+        for vit in vits:
+            vit.close()
+    sys.exit(status)
+
+
+def _engines(directory: Path, backend: str, devices: str | None, max_pixels: int | None, kernels: str,
+             min_image_tokens: int | None, max_image_tokens: int | None) -> list:
+    """One GlmVit, or with --devices one a device over one read of the tower."""
+    from glmvit_cupy import GlmVit
+    from glmvit_cupy.checkpoint import bind_checkpoint
+    from glmvit_cupy.devices import all_devices, parse_devices
+    from glmvit_cupy.preprocess import processor_config
+
+    budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    if devices is None:
+        return [GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, kernels=kernels, **budget)]
+    device_list = parse_devices(devices) or all_devices()
+    processor, _ = processor_config(directory, **budget)
+    weights = bind_checkpoint(directory)
+    return [GlmVit.from_weights(weights, backend, max_pixels, device=d, processor=processor, kernels=kernels)
+            for d in device_list]
 
 
 @main.command(epilog="""\b

@@ -192,13 +192,15 @@ class Consumer(threading.Thread):
             self.drain()
 
 
-def flatness(samples: list[dict], series: str, t_end: float) -> dict | None:
+def flatness(samples: list[dict], series: str, t_end: float, rule: tuple[float, float] | None = None) -> dict | None:
+    """Whether `series` stayed flat: its last minute's maximum within `rule` (relative, absolute slack;
+    default FLAT[series]) of its first minute's after WARMUP_S; None when the run was too short."""
     values = [(s["t"], s[series]) for s in samples if s.get(series) is not None]
     early = [v for t, v in values if WARMUP_S <= t < WARMUP_S + 60]
     late = [v for t, v in values if t >= t_end - 60]
     if not early or not late:
         return None
-    rel, slack = FLAT[series]
+    rel, slack = rule or FLAT[series]
     first, last = max(early), max(late)
     return dict(first_minute_max=round(first, 1), last_minute_max=round(last, 1),
                 peak=round(max(v for t, v in values if t >= WARMUP_S), 1),

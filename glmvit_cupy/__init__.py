@@ -25,6 +25,8 @@ Layout, one concern a module:
   progress    the bar / log lines of a collection run
   devices     every GPU of a host: engine processes behind one pipeline (encode --devices)
   ray         many hosts: a Ray Data actor and shard sink (the optional [ray] extra; imported by nothing here)
+  serve       the HTTP embedding server, `glmvit-cupy serve` (the optional [serve] extra; imported by nothing here)
+  encoder_cache  the server's results by the sha256 of image bytes: LRU by bytes, single flight
 """
 
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout

@@ -24,7 +24,7 @@ from typing import IO, Callable, Iterable, Iterator
 
 from .errors import GlmVitError, InternalError
 
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1, "I64": 8}
 
 
 def fsync_dir(path: Path) -> None:
@@ -57,6 +57,12 @@ def write_file(path: Path, chunks: Iterable[bytes]) -> int:
 def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data: Iterator[bytes]) -> int:
     """Write one safetensors file: header of (name, dtype, shape) in order, then each tensor's
     bytes as `data` yields them (any buffer of the right length). Returns its size."""
+    return write_file(path, safetensors_chunks(specs, data, str(path)))
+
+
+def safetensors_chunks(specs: list[tuple[str, str, list[int]]], data: Iterator[bytes], what: str) -> Iterator[bytes]:
+    """A safetensors file as chunks (write_safetensors's; the server's responses): the header, then the
+    tensors' bytes. `what` names the file in the error for a tensor whose bytes disagree with its shape."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, dtype, shape in specs:
@@ -66,16 +72,13 @@ def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data:
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
 
-    def chunks() -> Iterator[bytes]:
-        yield struct.pack("<Q", len(blob)) + blob
-        for (name, _, _), chunk in zip(specs, data):
-            begin, end = header[name]["data_offsets"]
-            if memoryview(chunk).nbytes != end - begin:  # the header would lie about the bytes that follow
-                raise InternalError(f"{path}: {name} has {memoryview(chunk).nbytes} bytes of data, its header "
-                                    f"entry {end - begin}")
-            yield chunk
-
-    return write_file(path, chunks())
+    yield struct.pack("<Q", len(blob)) + blob
+    for (name, _, _), chunk in zip(specs, data):
+        begin, end = header[name]["data_offsets"]
+        if memoryview(chunk).nbytes != end - begin:  # the header would lie about the bytes that follow
+            raise InternalError(f"{what}: {name} has {memoryview(chunk).nbytes} bytes of data, its header "
+                                f"entry {end - begin}")
+        yield chunk
 
 
 @contextlib.contextmanager

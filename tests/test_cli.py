@@ -178,6 +178,8 @@ HELP = {
                         "glmvit-cupy make-checkpoint ckpt --geometry tiny"),
     "bench": ("Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.",
               "glmvit-cupy bench --model ckpt"),
+    "serve": ("Serve embeddings over HTTP (the [serve] extra).",
+              "glmvit-cupy serve --model ckpt"),
 }
 
 

@@ -1,0 +1,290 @@
+"""The HTTP server under load (issue 25, item 6): `glmvit-cupy serve` driven on loopback by an asyncio
+httpx load generator, beside the forward-only rate of the same images, in one run.
+
+1. Images: e2e.py's collection of real photographs (benchmarks/photos.py), those of long side at most
+   1,024 px (the collection's long sides are 320-1,600 px; about 55% of its --images photos qualify).
+   Every request is `POST /v1/embeddings` with one image as a data:image/...;base64, URL and
+   "encoding_format": "base64" (pooler output, float32), and every request's image bytes are distinct
+   (9 bytes after the image's end, which decoders ignore), so nothing is a cache hit unless step 7
+   means it.
+2. Forward only: e2e.forward_only on the same files in this process (pipeline packing, pixels on the
+   device, back to back), and the forward of the lone request's 448x448 grid alone; freed before step 3.
+3. The server (tests/serving.py): `glmvit-cupy serve --model M --backend B --max-queue Q`, healthy.
+4. Lone: --lone requests of a 448x448 photo, one at a time: p50 / p99 latency, against the forward.
+5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward.
+6. Poisson arrivals at --rates x saturation (25, 50, 75 %), --rate-s seconds each: p50 / p99 latency.
+7. Overload: Poisson at 2x saturation for --duration seconds: every request answered 200 or 429, none
+   lost or hung (client timeout REQUEST_TIMEOUT_S), /health 200 afterwards.
+8. Cache: one image (fixed bytes) --cache-requests times by --concurrency clients: rate, p50, every hit's
+   x-inference-time 0, and the server's glmvit_cache_requests counting them.
+9. Soak: Poisson at 50 % of saturation for --soak-minutes: the server's process-tree RSS and the GPU's
+   memory every SAMPLE_S, flat as soak.py judges it (after its warm-up), 0 errors.
+
+A Markdown table on stdout; a JSON record (and the table) under benchmarks/results/.
+
+    python benchmarks/serve.py --model /tmp/glmvit-real                                  # the H200 run
+    python benchmarks/serve.py --model /tmp/glmvit-tiny --backend numpy --images 24 --concurrency 4 \\
+        --rate-s 4 --duration 5 --lone 5 --cache-requests 20 --soak-minutes 0.1         # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from e2e import benchmark_main, environment, forward_only, load_collection, save  # puts the repo on sys.path
+from proctree import tree_memory
+from soak import flatness, gpu_used_mib
+
+import httpx  # the [serve] extra
+from serving import ServerProcess  # tests/, on sys.path through e2e
+
+from glmvit_cupy import GlmVit, preprocess
+from glmvit_cupy.preprocess import ProcessorConfig
+
+LONG_SIDE_MAX = 1024
+LONE_SIDE = 448
+REQUEST_TIMEOUT_S = 300.0  # a request unanswered this long is lost
+SAMPLE_S = 5.0
+SOAK_FLAT = {"server_tree_rss_mib": (0.05, 64), "gpu_used_mib": (0.02, 0)}  # soak.py's rules for these series
+TARGETS = {"saturation_over_forward": 0.8, "lone_p50_over_forward_ms": 3.0, "p99_at_half_over_lone": 3.0}
+
+
+class Bodies:
+    """Request bodies of one image with distinct bytes each: the image padded to a multiple of 3 bytes,
+    so its base64 is computed once and a nonce's base64 appended."""
+
+    def __init__(self, data: bytes, media: str) -> None:
+        padded = data + b"\0" * (-len(data) % 3)
+        self.head = '{"encoding_format": "base64", "input": ["data:' + media + ';base64,' \
+            + base64.b64encode(padded).decode()
+        self.count = 0
+
+    def next(self) -> bytes:
+        self.count += 1
+        return (self.head + base64.b64encode(self.count.to_bytes(9, "little")).decode() + '"]}').encode()
+
+
+def media_of(path: str) -> str:
+    return "image/png" if path.endswith(".png") else "image/jpeg"
+
+
+def small_photos(files: list[str]) -> list[str]:
+    kept = [f for f in files if max(Image.open(f).size) <= LONG_SIDE_MAX]
+    if not kept:
+        raise SystemExit(f"serve: error: no photo of the collection has a long side of at most {LONG_SIDE_MAX} px")
+    return kept
+
+
+def lone_image(path: str) -> bytes:
+    """A 448x448 JPEG: the centre square of a photo, resized."""
+    image = Image.open(path).convert("RGB")
+    side = min(image.size)
+    left, top = (image.width - side) // 2, (image.height - side) // 2
+    image = image.crop((left, top, left + side, top + side)).resize((LONE_SIDE, LONE_SIDE), Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+def forward_ms(vit: GlmVit, data: bytes) -> float:
+    """The forward of this image's grid alone, median ms (CUDA events on the GPU)."""
+    pixels, grid = preprocess(Image.open(io.BytesIO(data)), vit.processor)
+    if vit.backend == "cupy":
+        import cupy
+
+        from glmvit_cupy.benchmark import time_engine
+        return time_engine(vit, cupy.asarray(pixels), grid).median_ms
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        vit.forward(pixels, grid)
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times))
+
+
+async def post(client: httpx.AsyncClient, url: str, body: bytes) -> dict:
+    """One request: its status (or the exception that lost it), latency and timing headers."""
+    t0 = time.perf_counter()
+    try:
+        r = await client.post(f"{url}/v1/embeddings", content=body, headers={"content-type": "application/json"})
+    except httpx.HTTPError as exc:
+        return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0)
+    return dict(status=r.status_code, latency_s=time.perf_counter() - t0, cache=r.headers.get("x-cache"),
+                inference_ms=float(r.headers.get("x-inference-time", "nan")))
+
+
+def latency(results: list[dict]) -> dict:
+    ok = [r["latency_s"] for r in results if r["status"] == 200]
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    return dict(requests=len(results), statuses=statuses,
+                p50_ms=round(1000 * float(np.percentile(ok, 50)), 2) if ok else None,
+                p99_ms=round(1000 * float(np.percentile(ok, 99)), 2) if ok else None)
+
+
+async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], concurrency: int) -> tuple[list, float]:
+    """`concurrency` clients, each sending the next body as soon as its last is answered."""
+    todo = iter(bodies)
+    results: list[dict] = []
+
+    async def worker() -> None:
+        for body in todo:
+            results.append(await post(client, url, body))
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - t0
+
+
+async def poisson(client: httpx.AsyncClient, url: str, sources: list[Bodies], rate: float, seconds: float,
+                  rng: np.random.Generator, sample=None) -> list[dict]:
+    """Open loop: arrivals at `rate` a second (exponential gaps) for `seconds`, each a random image's next
+    body; waits for every answer. `sample(t)` is called every SAMPLE_S."""
+    tasks, t0 = [], time.perf_counter()
+    at, next_sample = 0.0, 0.0
+    while at < seconds:
+        now = time.perf_counter() - t0
+        if sample is not None and now >= next_sample:
+            sample(now)
+            next_sample += SAMPLE_S
+        if at > now:
+            await asyncio.sleep(min(at - now, SAMPLE_S))
+            continue
+        tasks.append(asyncio.ensure_future(post(client, url, sources[rng.integers(len(sources))].next())))
+        at += rng.exponential(1 / rate)
+    return list(await asyncio.gather(*tasks))
+
+
+async def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lone: bytes) -> dict:
+    url, rng = server.url, np.random.default_rng(args.seed)
+    sources = [Bodies(Path(f).read_bytes(), media_of(f)) for f in files]
+    limits = httpx.Limits(max_connections=args.max_queue + 4 * args.concurrency, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
+        record: dict = {}
+        lone_bodies = Bodies(lone, "image/jpeg")
+        record["lone"] = latency([await post(client, url, lone_bodies.next()) for _ in range(args.lone)])
+        print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
+
+        results, wall = await closed_loop(client, url, [s.next() for s in sources], args.concurrency)
+        sat = len(files) / wall
+        record["saturation"] = dict(latency(results), wall_s=round(wall, 2), images_per_s=round(sat, 2),
+                                    concurrency=args.concurrency)
+        print(f"saturation: {record['saturation']}", flush=True)
+
+        record["poisson"] = []
+        for share in args.rates:
+            results = await poisson(client, url, sources, share * sat, args.rate_s, rng)
+            record["poisson"].append(dict(latency(results), share=share, rate=round(share * sat, 2)))
+            print(f"poisson {share:.0%}: {record['poisson'][-1]}", flush=True)
+
+        results = await poisson(client, url, sources, 2 * sat, args.duration, rng)
+        health = (await client.get(f"{url}/health")).status_code
+        record["overload"] = dict(latency(results), rate=round(2 * sat, 2), seconds=args.duration, health_after=health,
+                                  lost_or_other=sum(r["status"] not in (200, 429) for r in results))
+        print(f"overload: {record['overload']}", flush=True)
+
+        before = {k: server.metric("glmvit_cache_requests_total", result=k) for k in ("hit", "miss", "shared")}
+        same = Bodies(lone + b"cache", "image/jpeg").next()  # bytes no earlier request sent
+        results, wall = await closed_loop(client, url, [same] * args.cache_requests, args.concurrency)
+        after = {k: server.metric("glmvit_cache_requests_total", result=k) - before[k] for k in before}
+        hits = [r for r in results if r.get("cache") == "hit"]
+        record["cache"] = dict(latency(results), requests_per_s=round(len(results) / wall, 2), hits=len(hits),
+                               hit_inference_ms_max=max((r["inference_ms"] for r in hits), default=None),
+                               metrics=after)
+        print(f"cache: {record['cache']}", flush=True)
+
+        samples: list[dict] = []
+        pid = server.proc.pid
+
+        def sample(t: float) -> None:
+            samples.append(dict(t=round(t, 1), server_tree_rss_mib=round(tree_memory(pid)[0] / 1024, 1),
+                                gpu_used_mib=gpu_used_mib()))
+        seconds = 60 * args.soak_minutes
+        results = await poisson(client, url, sources, 0.5 * sat, seconds, rng, sample)
+        sample(seconds)
+        record["soak"] = dict(latency(results), minutes=args.soak_minutes, rate=round(0.5 * sat, 2),
+                              errors=sum(r["status"] != 200 for r in results), samples=samples,
+                              flat={s: flatness(samples, s, seconds, rule) for s, rule in SOAK_FLAT.items()})
+        print(f"soak: { {k: v for k, v in record['soak'].items() if k != 'samples'} }", flush=True)
+    return record
+
+
+def markdown(r: dict) -> str:
+    fwd, env, lone, sat = r["forward_only"], r["env"], r["lone"], r["saturation"]
+    half = next((p for p in r["poisson"] if p["share"] == 0.5), None)
+    over, cache, soak = r["overload"], r["cache"], r["soak"]
+    flat = ", ".join(f"{s} {'flat' if f['flat'] else 'GROWS'} ({f['first_minute_max']:.0f} -> "
+                     f"{f['last_minute_max']:.0f})" if f else f"{s} n/a (too short)" for s, f in soak["flat"].items())
+    lines = [f"{env['date']}, {env['device']}, {env['cpus']} CPUs, backend {r['backend']}; {r['images']} photos of "
+             f"long side <= {LONG_SIDE_MAX} px, base64 responses, --max-queue {r['max_queue']}", "",
+             "| measure | value | target |", "| --- | --- | --- |",
+             f"| forward only, images/s | {fwd['images_per_s']:.1f} | |",
+             f"| saturation ({sat['concurrency']} clients), images/s | {sat['images_per_s']:.1f} | |",
+             f"| saturation / forward only | {r['saturation_over_forward']:.2f}x | "
+             f">= {TARGETS['saturation_over_forward']}x |",
+             f"| lone {LONE_SIDE}x{LONE_SIDE}: p50 / p99 ms (its forward {r['lone_forward_ms']:.2f} ms) | "
+             f"{lone['p50_ms']} / {lone['p99_ms']} | p50 <= forward + {TARGETS['lone_p50_over_forward_ms']:.0f} ms |",
+             *[f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "
+               f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
+                                                      if p is half else "") + " |" for p in r["poisson"]],
+             f"| overload 2x ({over['rate']:.1f}/s) for {over['seconds']:.0f} s: statuses; lost or other; "
+             f"/health after | {over['statuses']}; {over['lost_or_other']}; {over['health_after']} | "
+             "only 200/429, none lost, 200 |",
+             f"| cache: one image x {cache['requests']}: requests/s, p50 ms, hits (max x-inference-time ms); "
+             f"server's counts | {cache['requests_per_s']:.1f}, {cache['p50_ms']}, {cache['hits']} "
+             f"({cache['hit_inference_ms_max']}); {cache['metrics']} | hits at 0 ms |",
+             f"| soak at 50 % for {soak['minutes']:g} min: errors; memory | {soak['errors']}; {flat} | 0; flat |",
+             f"| the server's exit status after SIGTERM (drained) | {r['server_exit']} | 0 |"]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
+    t0 = time.perf_counter()
+    _, everything = load_collection(args, collection)
+    files = small_photos(everything)
+    lone = lone_image(files[0])
+    vit = GlmVit.from_pretrained(args.model, backend=args.backend)
+    geo = vit.geometry
+    config = ProcessorConfig(patch_size=geo.patch_size, temporal_patch_size=geo.temporal_patch_size,
+                             merge_size=geo.spatial_merge_size)
+    fwd, _ = forward_only(vit, files, config, args.workers)
+    lone_forward = forward_ms(vit, lone)
+    print(f"forward only: {fwd}; lone {LONE_SIDE}x{LONE_SIDE} forward {lone_forward:.2f} ms", flush=True)
+    del vit
+    if args.backend == "cupy":
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
+                       ready_s=600) as server:
+        record = asyncio.run(drive(args, server, files, lone))
+        status = server.stop(timeout_s=REQUEST_TIMEOUT_S)
+    record.update(backend=args.backend, images=len(files), max_queue=args.max_queue, forward_only=fwd,
+                  lone_forward_ms=round(lone_forward, 3), server_exit=status,
+                  saturation_over_forward=round(record["saturation"]["images_per_s"] / fwd["images_per_s"], 3),
+                  env=environment(args.backend), benchmark_wall_s=round(time.perf_counter() - t0, 1))
+    save(record, markdown(record), out)
+
+
+def options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--concurrency", type=int, default=64, help="clients of the closed loops (saturation, cache)")
+    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75],
+                    help="Poisson rates as shares of saturation [default: 0.25,0.5,0.75]")
+    ap.add_argument("--rate-s", type=float, default=30.0, help="seconds at each Poisson rate")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of overload at 2x saturation")
+    ap.add_argument("--lone", type=int, default=200, help="lone 448x448 requests, one at a time")
+    ap.add_argument("--cache-requests", type=int, default=2000, help="requests of the one cached image")
+    ap.add_argument("--soak-minutes", type=float, default=10.0, help="minutes of Poisson at 50 %% of saturation")
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, run, ("h200-serve.json", "cpu-serve.json"), options)
