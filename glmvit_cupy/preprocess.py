@@ -170,12 +170,14 @@ def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
 
 def smart_resize(height: int, width: int, *, factor: int, temporal_factor: int,
                  min_image_tokens: int = MIN_IMAGE_TOKENS,
-                 max_image_tokens: int = MAX_IMAGE_TOKENS) -> tuple[int, int]:
-    """The aligned canvas (H, W) for one image, the oracle's binary search included."""
+                 max_image_tokens: int = MAX_IMAGE_TOKENS, frames: int | None = None) -> tuple[int, int]:
+    """The aligned canvas (H, W) for one image, or for every frame of a video of `frames`
+    frames (one budget for the whole video), the oracle's binary search included."""
     pixels_per_token = temporal_factor * factor ** 2
     min_pixels = min_image_tokens * pixels_per_token
     max_pixels = max_image_tokens * pixels_per_token
-    frames = temporal_factor  # a still image is one frame repeated temporal_factor times
+    if frames is None:
+        frames = temporal_factor  # a still image is one frame repeated temporal_factor times
 
     def align(value: float) -> int:
         return math.ceil(value / factor) * factor
@@ -291,16 +293,23 @@ def canvas(image: ImageLike, config: ProcessorConfig = ProcessorConfig()) -> np.
     target_h, target_w = smart_resize(height, width, factor=factor, temporal_factor=temporal,
                                       min_image_tokens=config.min_image_tokens,
                                       max_image_tokens=config.max_image_tokens)
-    scale = min(target_h / height, target_w / width)
-    if temporal * height * width >= temporal * factor ** 2 * config.min_image_tokens:
-        scale = min(1.0, scale)  # only images below the minimum budget are ever enlarged
-    content_h = max(1, min(target_h, math.floor(height * scale)))
-    content_w = max(1, min(target_w, math.floor(width * scale)))
+    content_h, content_w = content_size(height, width, target_h, target_w,
+                                        enlarge=temporal * height * width < temporal * factor ** 2 * config.min_image_tokens)
     if (content_h, content_w) != (height, width):
         image = image.resize((content_w, content_h), resample=config.resample)
     out = np.zeros((target_h, target_w, 3), dtype=np.uint8)
     out[:content_h, :content_w] = np.asarray(image, dtype=np.uint8)
     return out
+
+
+def content_size(height: int, width: int, target_h: int, target_w: int, enlarge: bool) -> tuple[int, int]:
+    """The content's (height, width) on its aligned canvas: the aspect-keeping scale that fits
+    the canvas, never above 1 unless `enlarge` (the input is below the minimum token budget);
+    the rest of the canvas is zero padding."""
+    scale = min(target_h / height, target_w / width)
+    if not enlarge:
+        scale = min(1.0, scale)
+    return max(1, min(target_h, math.floor(height * scale))), max(1, min(target_w, math.floor(width * scale)))
 
 
 def canvas_grid(shape: Sequence[int], config: ProcessorConfig = ProcessorConfig()) -> tuple[int, int, int]:
