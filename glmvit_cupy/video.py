@@ -525,3 +525,24 @@ def load(video: VideoSource | tuple, config: VideoConfig = VideoConfig()) -> Vid
         return open_video(video, config)
     raise GlmVitError(f"cannot read a {type(video).__name__} as a video: pass a path, bytes, a binary file, "
                       "or (frames, timestamps)")
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoOutput:
+    """One video's embeddings: `pooler_output` (what the LM splices in) and `last_hidden_state`,
+    float32 [tokens, out_hidden] in time order, (h/2)(w/2) rows a temporal group; `grid_thw`
+    [[T/2, h, w]]; `timestamps`: float64 [T/2], seconds of each group's first frame; `frames`:
+    frames sampled (an odd count's pad included); `fps`: the source's rate (None for frames the
+    caller gave)."""
+
+    last_hidden_state: np.ndarray
+    pooler_output: np.ndarray
+    grid_thw: np.ndarray
+    timestamps: np.ndarray
+    frames: int
+    fps: float | None
+
+
+def with_video_settings(config: VideoConfig, **settings: Any) -> VideoConfig:
+    """`config` with each setting that is not None in its place."""
+    return dataclasses.replace(config, **{k: _video_field(k, v) for k, v in settings.items() if v is not None})
