@@ -443,7 +443,7 @@ def open_video(source: VideoSource, config: VideoConfig = VideoConfig(), name: s
     try:
         container = av.open(opened)
     except (av.FFmpegError, OSError, ValueError) as exc:
-        raise GlmVitError(f"{name}: not a video PyAV can open ({exc})") from None
+        raise GlmVitError(f"{name}: not a video PyAV can open (a truncated file or another format?): {exc}") from None
     with container:
         return _decode(av, container, name, config)
 
@@ -464,8 +464,6 @@ def _decode(av: Any, container: Any, name: str, config: VideoConfig) -> VideoFra
     if total == 0:
         # Matroska/WebM headers carry no frame count: count the stream's packets (demuxing, no decoding)
         total = _count_packets(av, container, stream, name)
-        if total == 0:
-            raise GlmVitError(f"{name}: the video stream has no frames")
     fps, duration = float(rate), float(total / rate)  # as load_video's VideoMetadata has them
     if config.do_sample_frames:
         indices = sample_frames(total, fps, duration, config)
@@ -489,7 +487,7 @@ def _decode(av: Any, container: Any, name: str, config: VideoConfig) -> VideoFra
             if index >= indices[-1]:
                 break
     except av.FFmpegError as exc:
-        raise GlmVitError(f"{name}: cannot decode frame {index + 1}: {exc}") from None
+        raise GlmVitError(f"{name}: cannot decode frame {index + 1} (a truncated or corrupt file?): {exc}") from None
     if len(kept) != len(wanted):
         raise GlmVitError(f"{name}: truncated: the header counts {total} frames, only {index + 1} decode "
                           f"(frame {max(wanted - set(kept))} was to be sampled)")
@@ -500,7 +498,9 @@ def _decode(av: Any, container: Any, name: str, config: VideoConfig) -> VideoFra
 def _count_packets(av: Any, container: Any, stream: Any, name: str) -> int:
     try:
         count = sum(1 for packet in container.demux(stream) if packet.size)
-        container.seek(0)
+        if count == 0:
+            raise GlmVitError(f"{name}: the video stream has no frames")
+        container.seek(0)  # back to the start, for decoding
     except av.FFmpegError as exc:
         raise GlmVitError(f"{name}: cannot read the video stream: {exc}") from None
     return count
