@@ -57,7 +57,7 @@ CLIPS = {
     "mp4_2997": ("a.mp4", 75, Fraction(30000, 1001), 120, 160, "libx264", "plain"),  # 5 sampled, padded to 6
     "mkv_portrait": ("b.mkv", 96, 24, 160, 96, "libx264", "fps3"),  # no frame count in the header
     "webm_25": ("c.webm", 75, 25, 96, 128, "libvpx", "plain"),
-    "mov_60": ("d.mov", 90, 60, 64, 80, "mpeg4", "plain"),  # 3 sampled (linspace), padded to 4
+    "mov_60": ("d.mov", 90, 60, 96, 112, "mpeg4", "plain"),  # 3 sampled (linspace), padded to 4
     "avi_scaled_down": ("e.avi", 90, 30, 240, 320, "mjpeg", "small"),  # over the budget
     "mp4_enlarged": ("f.mp4", 30, 30, 24, 32, "libx264", "plain"),  # under the minimum budget
 }
