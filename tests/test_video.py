@@ -56,7 +56,7 @@ def write_clip(path: Path, frames: int, rate, height: int, width: int, codec: st
 CLIPS = {
     "mp4_2997": ("a.mp4", 75, Fraction(30000, 1001), 120, 160, "libx264", "plain"),  # 5 sampled, padded to 6
     "mkv_portrait": ("b.mkv", 96, 24, 160, 96, "libx264", "fps3"),  # no frame count in the header
-    "webm_25": ("c.webm", 75, 25, 96, 128, "libvpx", "plain"),
+    "webm_25": ("c.webm", 75, 25, 96, 128, "libvpx", "videofile"),  # 60 tokens: exactly the budget
     "mov_60": ("d.mov", 90, 60, 96, 112, "mpeg4", "plain"),  # 3 sampled (linspace), padded to 4
     "avi_scaled_down": ("e.avi", 90, 30, 240, 320, "mjpeg", "small"),  # over the budget
     "mp4_enlarged": ("f.mp4", 30, 30, 24, 32, "libx264", "plain"),  # under the minimum budget
@@ -67,6 +67,9 @@ CONFIGS = {
     # processor_config.json's video_processor wins over the image processor's file beside it
     "fps3": {"processor_config.json": {"video_processor": {"fps": 3, "max_frames": 9}},
              "preprocessor_config.json": {"max_image_tokens": 20}},
+    # video_preprocessor_config.json wins over the image processor's file
+    "videofile": {"video_preprocessor_config.json": {"max_image_tokens": 60},
+                  "preprocessor_config.json": {"max_image_tokens": 20}},
     # only the image processor's file: it applies to video too (a 40-token budget)
     "small": {"preprocessor_config.json": {"max_image_tokens": 40}},
 }
@@ -189,6 +192,8 @@ def test_config_sources(checkpoints):
     config, sources = video_config(checkpoints["fps3"])
     assert (config.fps, config.max_frames, config.max_image_tokens) == (3.0, 9, 240_000)
     assert sources["fps"] == "processor_config.json video_processor" and sources["max_image_tokens"] == "default"
+    config, sources = video_config(checkpoints["videofile"])
+    assert (config.max_image_tokens, sources["max_image_tokens"]) == (60, "video_preprocessor_config.json")
     config, sources = video_config(checkpoints["small"], min_image_tokens=8)
     assert (config.max_image_tokens, sources["max_image_tokens"]) == (40, "preprocessor_config.json")
     assert (config.min_image_tokens, sources["min_image_tokens"]) == (8, "option")
