@@ -267,3 +267,33 @@ def test_without_pyav_a_video_is_one_line_naming_the_extra(clips):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert run.returncode != 0 and 'GlmVitError: videos need PyAV, the [video] extra: pip install -e ".[video]"' in run.stderr
+
+
+def test_cli_encodes_videos_into_an_npz(tmp_path, checkpoints, clips):
+    """`glmvit-cupy encode a.mov b.mp4 --out emb.npz`: each video's rows, grid and timestamps,
+    as encode_video gives them; a mistake is one line."""
+    def cli(*args):
+        return subprocess.run([sys.executable, "-c", "import cli; cli.main()", "encode", *map(str, args),
+                               "--model", str(checkpoints["plain"]), "--backend", "numpy"],
+                              capture_output=True, text=True)
+
+    names = ["mov_60", "mp4_2997"]
+    run = cli(*[clips[n] for n in names], "--out", tmp_path / "emb.npz", "--output", "both")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.strip().endswith("2 video(s), 5 temporal groups, 122 tokens x 256 (pooler_output, "
+                                       "last_hidden_state), backend numpy")
+    saved = np.load(tmp_path / "emb.npz")
+    vit = engine(checkpoints["plain"])
+    outs = [vit.encode_video(clips[n]) for n in names]
+    for name in ("pooler_output", "last_hidden_state"):
+        assert np.array_equal(saved[name], np.concatenate([getattr(o, name) for o in outs]))
+    assert saved["grid_thw"].tolist() == [o.grid_thw[0].tolist() for o in outs]
+    assert saved["offsets"].tolist() == [0, len(outs[0].pooler_output), 122]
+    assert np.array_equal(saved["timestamps"], np.concatenate([o.timestamps for o in outs]))
+    assert saved["frames"].tolist() == [4, 6] and saved["fps"].tolist() == [60.0, 30000 / 1001]
+    for args, words in (((clips["mov_60"], "--out", tmp_path / "emb.npy"), "videos go into a float32 .npz"),
+                        ((clips["mov_60"], "--out-dir", tmp_path / "embs"), "no --out-dir"),
+                        ((tmp_path / "missing.mp4", "--out", tmp_path / "x.npz"), "missing.mp4: no such video file")):
+        run = cli(*args)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 1 and len(lines) == 1 and words in lines[0], run.stderr
