@@ -60,6 +60,7 @@ CLIPS = {
     "mov_60": ("d.mov", 90, 60, 96, 112, "mpeg4", "plain"),  # 3 sampled (linspace), padded to 4
     "avi_scaled_down": ("e.avi", 90, 30, 240, 320, "mjpeg", "small"),  # over the budget
     "mp4_enlarged": ("f.mp4", 30, 30, 24, 32, "libx264", "plain"),  # under the minimum budget
+    "mkv_every_frame": ("g.mkv", 9, 30, 64, 80, "libx264", "unsampled"),  # 9 frames: round(4.5) frames' budget
 }
 SCALED_CASES = {"avi_scaled_down", "mp4_enlarged"}
 CONFIGS = {
@@ -70,8 +71,9 @@ CONFIGS = {
     # video_preprocessor_config.json wins over the image processor's file
     "videofile": {"video_preprocessor_config.json": {"max_image_tokens": 60},
                   "preprocessor_config.json": {"max_image_tokens": 20}},
-    # only the image processor's file: it applies to video too (a 40-token budget)
-    "small": {"preprocessor_config.json": {"max_image_tokens": 40}},
+    # only the image processor's file: it applies to video too (a 40-token budget, 2 s of the clip)
+    "small": {"preprocessor_config.json": {"max_image_tokens": 40, "max_duration": 2}},
+    "unsampled": {"video_preprocessor_config.json": {"do_sample_frames": False}},
 }
 
 
@@ -154,7 +156,9 @@ def test_sampling_quirks(checkpoints, clips, oracle):
     assert oracle["mp4_2997"]["frames_indices"].tolist() == [0, 11, 22, 33, 45, 45]
     assert oracle["mov_60"]["frames_indices"].tolist() == [0, 15, 30, 30]
     assert oracle["mkv_portrait"]["frames_indices"].tolist() == [0, 11, 23, 35, 47, 59, 71, 83, 95, 95]
-    assert open_video(clips["avi_scaled_down"], video_config(checkpoints["small"])[0]).frames[0].shape[:2] < (240, 320)
+    assert oracle["avi_scaled_down"]["frames_indices"].tolist() == [0, 29, 59, 89]  # max_duration 2 of 3 s
+    assert oracle["mkv_every_frame"]["frames_indices"].tolist() == list(range(9))
+    assert open_video(clips["avi_scaled_down"], video_config(checkpoints["small"])[0]).frames[0].shape == (105, 140, 3)
 
 
 @needs_oracle
@@ -164,6 +168,34 @@ def test_split_across_forward_calls(checkpoints, clips, oracle):
     out = vit.encode_video(clips["mp4_2997"])
     assert vit.p_max == 120 and out.grid_thw.tolist() == [[3, 10, 12]]  # 120 patches a group
     assert_embeddings(out, oracle["mp4_2997"], PADDED)
+
+
+def test_a_group_over_one_forward_call_is_refused(checkpoints, clips):
+    vit = engine(checkpoints["plain"], max_pixels=14 * 14 * 116)
+    with pytest.raises(GlmVitError, match=r"a.mp4: one temporal group is 120 patches, over the 116 of one forward call"):
+        vit.encode_video(clips["mp4_2997"])
+
+
+def test_only_sampled_frames_are_kept(tmp_path):
+    """20 s of 320x240 frames (138 MB raw) at a budget that scales them to 168x126: decoding holds
+    the 40 sampled frames, scaled as they come (2.5 MB), not the clip. Measured as the growth of
+    the peak RSS of a fresh process (decoded frames live in FFmpeg's buffers, which tracemalloc
+    does not see), after a short clip has loaded the decoder."""
+    warm = write_clip(tmp_path / "warm.mp4", 30, 30, 240, 320, "libx264")
+    clip = write_clip(tmp_path / "long.mp4", 600, 30, 240, 320, "libx264")
+    code = ("import resource\n"
+            "from glmvit_cupy.video import VideoConfig, open_video\n"
+            f"open_video({str(warm)!r})\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            f"frames = open_video({str(clip)!r}, VideoConfig(max_image_tokens=600))\n"
+            "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+            "print(len(frames.frames), frames.frames[0].shape, grown >> 10)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("40 (126, 168, 3)"), run.stdout
+    grown_mib = int(run.stdout.split()[-1])
+    assert grown_mib < 20, f"decoding grew the peak RSS by {grown_mib} MiB"
 
 
 @needs_oracle

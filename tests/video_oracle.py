@@ -74,6 +74,8 @@ def main(job_path: str, out_dir: str) -> None:
             metadata.frames_indices = None
             out = processor(videos=[video], video_metadata=[metadata], return_metadata=True, return_tensors="pt")
             sampled = out["video_metadata"][0]
+            if sampled.frames_indices is None:  # do_sample_frames false: every frame, as load_video gives them
+                sampled.frames_indices = np.arange(len(video))
             extra = dict(frames_indices=np.asarray(sampled.frames_indices), timestamps=np.asarray(sampled.timestamps[::2]),
                          fps=sampled.fps, total_num_frames=sampled.total_num_frames)
         else:
