@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-import json
 import math
 from fractions import Fraction
 from pathlib import Path
@@ -40,7 +39,8 @@ import numpy as np
 
 from .errors import GlmVitError
 from .geometry import MIN_IMAGE_TOKENS, REAL, GlmVitGeometry
-from .preprocess import CLIP_MEAN, CLIP_STD, PREPROCESSOR_FILE, content_size, smart_resize
+from .preprocess import (CLIP_MEAN, CLIP_STD, PREPROCESSOR_FILE, check_shared_fields, content_size, read_json_object,
+                         settings_from, smart_resize)
 from .preprocess import _field_value as image_field_value
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".mov", ".avi")
@@ -79,20 +79,10 @@ class VideoConfig:
     max_duration: float = 0.0  # seconds of the clip sampled; 0: all of it
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "temporal_patch_size", "merge_size", "patch_expand_factor",
-                     "min_image_tokens", "max_image_tokens", "max_frames"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise GlmVitError(f"video processor: {name} {value!r} must be a positive integer")
-        if self.max_image_tokens < self.min_image_tokens:
-            raise GlmVitError(f"video processor: token budget [{self.min_image_tokens}, {self.max_image_tokens}] "
-                              "is empty")
-        for name in ("image_mean", "image_std"):
-            value = getattr(self, name)
-            if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, float) for v in value)):
-                raise GlmVitError(f"video processor: {name} {value!r} must be 3 floats (one per RGB channel)")
-        if 0.0 in self.image_std:
-            raise GlmVitError(f"video processor: image_std {list(self.image_std)} has a zero")
+        check_shared_fields(self, "video processor", ("patch_size", "temporal_patch_size", "merge_size",
+                                                      "patch_expand_factor", "min_image_tokens", "max_image_tokens",
+                                                      "max_frames"),
+                            ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_sample_frames"))
         if self.resample != BICUBIC or isinstance(self.resample, bool):
             raise GlmVitError(f"video processor: resample {self.resample!r}: only bicubic ({BICUBIC}), the "
                               "processor's default, is reproduced for video")
@@ -102,9 +92,6 @@ class VideoConfig:
                 raise GlmVitError(f"video processor: {name} {value!r} must be a number")
         if self.fps <= 0:
             raise GlmVitError(f"video processor: fps {self.fps!r} must be positive")
-        for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_sample_frames"):
-            if not isinstance(getattr(self, name), bool):
-                raise GlmVitError(f"video processor: {name} {getattr(self, name)!r} must be true or false")
 
     @property
     def factor(self) -> int:
@@ -124,16 +111,6 @@ def _video_field(name: str, value: Any) -> Any:
     return image_field_value(name, value)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise GlmVitError(f"{path}: cannot read the processor config: {exc}") from None
-    if not isinstance(data, dict):
-        raise GlmVitError(f"{path}: holds a {type(data).__name__}, not an object")
-    return data
-
-
 def video_config_file(model_dir: str | Path | None) -> tuple[dict, str | None]:
     """(settings, where they came from) as transformers finds the video processor's config:
     processor_config.json's "video_processor" object, else video_preprocessor_config.json, else
@@ -142,7 +119,7 @@ def video_config_file(model_dir: str | Path | None) -> tuple[dict, str | None]:
         return {}, None
     directory = Path(model_dir)
     if (directory / PROCESSOR_FILE).is_file():
-        combined = _read_json(directory / PROCESSOR_FILE)
+        combined = read_json_object(directory / PROCESSOR_FILE)
         if "video_processor" in combined:
             section = combined["video_processor"]
             if not isinstance(section, dict):
@@ -151,7 +128,7 @@ def video_config_file(model_dir: str | Path | None) -> tuple[dict, str | None]:
             return section, f"{PROCESSOR_FILE} video_processor"
     for name in (VIDEO_PROCESSOR_FILE, PREPROCESSOR_FILE):
         if (directory / name).is_file():
-            return _read_json(directory / name), name
+            return read_json_object(directory / name), name
     return {}, None
 
 
@@ -162,25 +139,12 @@ def video_config(model_dir: str | Path | None = None, **overrides: Any) -> tuple
     if unknown:
         raise GlmVitError(f"video processor: unknown setting(s) {', '.join(unknown)} (known: {', '.join(VIDEO_FIELDS)})")
     file, where = video_config_file(model_dir)
-    values: dict[str, Any] = {}
-    sources = dict.fromkeys(VIDEO_FIELDS, "default")
-    for name in VIDEO_FIELDS:
-        if name not in file:
-            continue
-        if file[name] is None and not name.startswith("do_"):
-            raise GlmVitError(f"{Path(model_dir) / where.split()[0]}: {name} is null, on which transformers' "
-                              "processor fails: give a value or leave the field out")
-        values[name] = False if file[name] is None else _video_field(name, file[name])
-        sources[name] = where
-    for name, value in overrides.items():
-        if value is not None:
-            values[name] = _video_field(name, value)
-            sources[name] = "option"
+    path = Path(model_dir) / where.split()[0] if where is not None else None
+    values, sources = settings_from(file, where, path, VIDEO_FIELDS, _video_field, overrides)
     try:
         return VideoConfig(**values), sources
     except GlmVitError as exc:
-        culprit = Path(model_dir) / where.split()[0] if where in sources.values() else "options"
-        raise GlmVitError(f"{culprit}: {exc}") from None
+        raise GlmVitError(f"{path if where in sources.values() else 'options'}: {exc}") from None
 
 
 def check_video_config(config: VideoConfig, geo: GlmVitGeometry) -> None:

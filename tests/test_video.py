@@ -329,3 +329,19 @@ def test_cli_encodes_videos_into_an_npz(tmp_path, checkpoints, clips):
         run = cli(*args)
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 1 and len(lines) == 1 and words in lines[0], run.stderr
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"resample": 2}, r"resample 2: only bicubic \(3\)"),
+    ({"fps": 0}, "fps 0.0 must be positive"),
+    ({"max_frames": 0}, "max_frames 0 must be a positive integer"),
+    ({"do_sample_frames": "no"}, "do_sample_frames 'no' must be true or false"),
+    ({"max_image_tokens": None, "min_image_tokens": 300000}, r"image token budget \[300000, 240000\] is empty"),
+])
+def test_bad_settings_name_the_file(tmp_path, settings, message):
+    file = {k: v for k, v in settings.items() if v is not None}
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(file))
+    with pytest.raises(GlmVitError, match=f"^{tmp_path / 'video_preprocessor_config.json'}: video processor: {message}"):
+        video_config(tmp_path)
+    with pytest.raises(GlmVitError, match=f"^options: video processor: {message}"):
+        video_config(None, **file)
