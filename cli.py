@@ -21,10 +21,10 @@ import numpy as np
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
-from glmvit_cupy.pipeline import DEFAULT_WORKERS, OUTPUTS
+from glmvit_cupy.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
 from glmvit_cupy.shards import DEFAULT_SHARD_SIZE
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
-from glmvit_cupy.staging import DTYPES
+from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
 from glmvit_cupy.video import VIDEO_EXTENSIONS
 from glmvit_cupy.writer import write_atomic
 
@@ -105,6 +105,7 @@ def main() -> None:
 Examples:
   glmvit-cupy encode photo.jpg --model ckpt --out emb.npy
   glmvit-cupy encode a.png b.png --model ckpt --out embs.npz --output both
+  glmvit-cupy encode a.png a.png --model ckpt --out embs.npz     # two results, one a mention
   glmvit-cupy encode ~/photos --model ckpt --out-dir embs/
   glmvit-cupy encode 'shots/**/*.jpg' data-{000..009}.tar --model ckpt --out-dir embs/
   find /data -name '*.png' | glmvit-cupy encode --files-from - --model ckpt --out-dir embs/
@@ -122,11 +123,11 @@ encodes only what is missing.""")
               help="Output directory for a collection: shards, resumable (see below).")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
               help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
-@click.option("--output", "which", type=click.Choice(list(OUTPUTS)), default="pooler", show_default=True,
+@click.option("--output", "which", type=click.Choice(list(OUTPUTS)), default=DEFAULT_OUTPUT, show_default=True,
               help="pooler: the merger's output (what the LM splices in); last_hidden: the "
                    "downsample's output; both.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-              help="Dtype of the shards' embeddings (--out-dir). [default: bfloat16, what the LM consumes]")
+              help=f"Dtype of the shards' embeddings (--out-dir). [default: {DEFAULT_DTYPE}, what the LM consumes]")
 @click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True,
               help="Images per shard (--out-dir).")
 @click.option("--workers", type=click.IntRange(min=0), default=DEFAULT_WORKERS,
@@ -184,7 +185,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         _encode_videos(inputs, files_from is not None or devices is not None or out_dir is not None, model_dir,
                        out_path, backend, which, dtype, max_pixels, kernels, min_image_tokens, max_image_tokens)
         return
-    sources = expand_inputs(inputs, files_from)
+    sources = expand_inputs(inputs, files_from, unique=out_dir is not None)  # --out: one result a mention
     if not sources:
         raise GlmVitError("the inputs name no image (directories are searched for "
                           f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
@@ -195,8 +196,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     processor, _ = processor_config(directory, **budget)
     check_processor(processor, load_geometry(directory))
-    decoder = Decoder(min(workers, len(sources)), processor)
-    decoder.start()  # the workers come up while the tower is read
+    decoder = Decoder(min(workers, len(sources)), processor)  # its workers start now, while the tower is read
     group = None
     try:
         if devices is None:
@@ -205,13 +205,13 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         else:
             from glmvit_cupy.devices import EngineGroup
             vit = group = EngineGroup(directory, device_list, backend, max_pixels, processor, OUTPUTS[which],
-                                      dtype or "bfloat16", kernels)
+                                      dtype or DEFAULT_DTYPE, kernels)
         if vit.backend_note and vit.backend == "numpy":
             click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
         if out_path is not None:
             _encode_to_file(vit, sources, out_path, which, decoder, processor)
         else:
-            _encode_to_dir(vit, sources, out_dir, which, dtype or "bfloat16", shard_size, decoder, processor,
+            _encode_to_dir(vit, sources, out_dir, which, dtype or DEFAULT_DTYPE, shard_size, decoder, processor,
                            fail_fast, quiet, group)
     finally:
         if group is not None:

@@ -24,11 +24,11 @@ import ray
 
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.model import KERNELS
-from glmvit_cupy.pipeline import OUTPUTS
+from glmvit_cupy.pipeline import DEFAULT_OUTPUT, OUTPUTS
 from glmvit_cupy.ray import GlmVitEmbedder, ShardSink, parts, rows_of
 from glmvit_cupy.shards import DEFAULT_SHARD_SIZE, read_records, record_key
 from glmvit_cupy.sources import expand_inputs
-from glmvit_cupy.staging import DTYPES
+from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
 
 
 def main() -> None:
@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0,
                     help="decode threads an actor (0: in the actor's own thread); each actor reserves as many CPUs")
     ap.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
-    ap.add_argument("--output", choices=list(OUTPUTS), default="pooler")
-    ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--output", choices=list(OUTPUTS), default=DEFAULT_OUTPUT)
+    ap.add_argument("--dtype", choices=list(DTYPES), default=DEFAULT_DTYPE)
     ap.add_argument("--kernels", choices=list(KERNELS), default="auto", help="the GPU engines' kernel set")
     ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE)
     args = ap.parse_args()

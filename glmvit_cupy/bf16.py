@@ -1,5 +1,6 @@
 """BF16 as its 16-bit pattern: NumPy has no bfloat16, so weights, outputs and GPU operands
-travel as uint16 bits; these conversions are the only place the bits are computed.
+travel as uint16 bits; these conversions are the only place the bits are computed, and
+`bf16_array` the only place they become values for a caller.
 
 BF16 is the top half of a float32, so widening is a shift; narrowing rounds to the nearest
 BF16, ties to even, as the GPU's __float2bfloat16 does. Both take NumPy or CuPy arrays (they
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 
@@ -22,6 +24,12 @@ def f32_to_bf16_bits(x: Any) -> Any:
     """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns."""
     u = x.astype(np.float32, copy=False).view(np.uint32)
     return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+
+
+def bf16_array(bits: np.ndarray) -> np.ndarray:
+    """uint16 BF16 bits as an array of ml_dtypes.bfloat16 (the ecosystem's NumPy bfloat16, JAX's
+    and TensorFlow's): what the library returns, so a caller computes on values, not bits."""
+    return bits.view(ml_dtypes.bfloat16)
 
 
 def bf16_round(x: Any) -> Any:

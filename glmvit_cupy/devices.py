@@ -14,8 +14,9 @@ before it imports CuPy. A packed batch goes to the engine with the fewest batche
 The tower is read from disk once per host: the main process reads and checks it (the NaN scan)
 into a file in /dev/shm that every engine process maps and builds its engine from, so N engines
 cost one read. Batch data crosses processes through shared memory (one copy in, one out); the
-pipes carry only a few numbers a batch. Engines run in fresh (spawned) interpreters: a fork of
-a process that may hold CUDA state is unsafe, and the device must be chosen before CUDA starts.
+pipes carry only a few numbers a batch. Engines run in fresh interpreters (workers.Child, which
+die with the main process): a fork of a process that may hold CUDA state is unsafe, and the
+device must be chosen before CUDA starts.
 
 Separate from pipeline.py and model.py because none of this is needed by one engine: the
 pipeline sees one more stager (submit / Pending, `depth`, `engines`), the engine is unchanged.
@@ -27,12 +28,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import mmap
-import multiprocessing
 import os
 import signal
 import tempfile
 import threading
-from concurrent.futures import ProcessPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,13 +39,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checkpoint import TowerLocation, TowerWeights, locate_tower, read_tower
-from .errors import GlmVitError
+from .errors import GlmVitError, InternalError
 from .geometry import patch_budget
 from .layout import merged_offsets
 from .model import KERNELS
 from .preprocess import ProcessorConfig, check_processor
 from .pipeline import StreamTurn
 from .staging import DTYPES, Pending
+from .workers import Child
 from .writer import create_temp
 
 DEPTH = 3  # batches in flight per engine: two in its stager (k + 1 uploads while k computes), one on the pipe
@@ -67,23 +67,29 @@ def parse_devices(spec: str) -> list[int] | None:
     return devices
 
 
-def _count_devices() -> tuple[int, str]:
-    """(CUDA devices CuPy sees, why none): run in a process of its own, so that the main
+def _count_devices(conn: Connection) -> None:
+    """Send (CUDA devices CuPy sees, why none): run in a process of its own, so that the main
     process never initialises CUDA."""
     from .model import gpu_available
 
     ok, why = gpu_available()
     if not ok:
-        return 0, why
+        conn.send((0, why))
+        return
     import cupy
 
-    return cupy.cuda.runtime.getDeviceCount(), ""
+    conn.send((cupy.cuda.runtime.getDeviceCount(), ""))
 
 
 def all_devices() -> list[int]:
-    """Every CUDA device of this host (`--devices all`), asked of a spawned process."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        count, why = pool.submit(_count_devices).result()
+    """Every CUDA device of this host (`--devices all`), asked of a process of its own."""
+    child = Child(_count_devices, (), "glmvit-cupy device count")
+    try:
+        count, why = child.conn.recv()
+    except EOFError:
+        count, why = 0, f"the process counting them died (exit code {child.exitcode})"
+    finally:
+        child.close()
     if not count:
         raise GlmVitError(f"--devices all: no GPU to run on ({why}); without --devices the NumPy backend runs on "
                           "the CPU")
@@ -185,7 +191,7 @@ def _engine_main(spec: _EngineSpec, conn: Connection) -> None:
         weights = TowerWeights(spec.location, arena, spec.offsets, spec.bytes_read)
         vit = GlmVit.from_weights(weights, spec.backend, spec.max_pixels, processor=spec.processor,
                                   kernels=spec.kernels)
-        stager = make_stager(vit, spec.layout.outputs, spec.dtype, spec.processor)
+        stager = make_stager(vit, spec.processor)
         slots = _attach(spec.slots_path, spec.layout.total)
     except (GlmVitError, MemoryError) as exc:
         conn.send(("error", str(exc) or type(exc).__name__))
@@ -231,7 +237,7 @@ def _serve(stager: Any, slots: mmap.mmap, layout: _Layout, dtype: str, conn: Con
             canvases.append(np.frombuffer(slots, np.uint8, size, at).reshape(shape))
             at += size
         try:
-            pending.append((slot, stager.submit(canvases, grid)))
+            pending.append((slot, stager.submit(canvases, grid, layout.outputs, dtype)))
         except (GlmVitError, MemoryError) as exc:
             conn.send(("error", str(exc) or type(exc).__name__))
             return
@@ -300,7 +306,6 @@ class EngineGroup:
 
             weights = read_tower(location, allocate)
             self.fingerprint = weights.fingerprint()
-            context = multiprocessing.get_context("spawn")
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             visible_list = visible.split(",") if visible else None
             for index, device in enumerate(devices):
@@ -312,12 +317,8 @@ class EngineGroup:
                     device, None if backend == "numpy" else (visible_list[device] if visible_list else str(device)),
                     backend, str(tower[0].path), weights.arena.size, location, weights.offsets, weights.bytes_read,
                     max_pixels, processor, dtype, kernels, self.layout, str(slots.path))
-                ours, theirs = context.Pipe()
-                process = context.Process(target=_engine_main, args=(spec, theirs), daemon=True,
-                                          name=f"glmvit-cupy engine {device}")
-                process.start()
-                theirs.close()
-                self._engines.append(_Engine(index, device, process, ours, slots))
+                child = Child(_engine_main, (spec,), f"glmvit-cupy engine {device}")
+                self._engines.append(_Engine(index, device, child, child.conn, slots))
             del weights, allocate
             for engine in self._engines:  # ("ready", ...settings): its engine is built, the tower mapped
                 self.engine_settings.append(tuple(engine.reply()[1:]))
@@ -334,7 +335,11 @@ class EngineGroup:
         slots serve one; a stream inside a stream of the same thread is refused."""
         return self._stream(what)
 
-    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray) -> Pending:
+    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
+               dtype: str) -> Pending:
+        if (tuple(outputs), dtype) != (self.layout.outputs, self.dtype):  # the shared slots are laid out for those
+            raise InternalError(f"an engine group made for {self.layout.outputs} in {self.dtype} was given a batch of "
+                                f"{tuple(outputs)} in {dtype}")
         engine = min(self._engines, key=lambda e: e.in_flight)
         slot = engine.sent % DEPTH
         buf = np.frombuffer(engine.slots.map, np.uint8, self.layout.slot_bytes, self.layout.canvas_at(slot))

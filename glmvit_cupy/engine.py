@@ -22,9 +22,10 @@ Everything runs on the engine's own stream; `forward` returns once the outputs a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Iterator
 
 import cupy
 import numpy as np
@@ -53,6 +54,7 @@ class GridTables:
 
     key: bytes  # grid_thw.tobytes()
     seen: bool  # built for an earlier call: a call without a graph captures one
+    patches: int
     segments: np.ndarray
     work: FlashWork
     positions: np.ndarray  # int32 [P, 2]
@@ -68,10 +70,25 @@ class CupyRuntime:
     def __init__(self, device: int | None = None, kernels: str = "auto") -> None:
         self.device = cupy.cuda.Device(device)  # None: the caller's current device
         self.check_launches = check = check_launches()
-        with self.device:
+        with self.current():
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self.kernels = Kernels(kernels, check)  # kernels: one of model.KERNELS
             self.blas = Cublas(self.stream, check)
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """This device, with its CUDA context current in the calling thread, whichever thread it
+        is. CuPy's `with device:` calls cudaSetDevice only when the thread's device index differs,
+        and a fresh thread's index is already 0 with no context current: the driver calls made
+        through ctypes (TMA descriptors, occupancy) then fail with CUDA_ERROR_INVALID_CONTEXT.
+        cudaSetDevice makes the device's primary context current."""
+        before = cupy.cuda.runtime.getDevice()
+        cupy.cuda.runtime.setDevice(self.device.id)
+        try:
+            yield
+        finally:
+            if before != self.device.id:
+                cupy.cuda.runtime.setDevice(before)
 
 
 class CupyTower:
@@ -86,8 +103,8 @@ class CupyTower:
             raise GlmVitError(f"cupy backend: the runtime is on device {runtime.device.id}, not {device}")
         if kernels != "auto" and runtime.kernels.hopper != (kernels == "hopper"):
             raise GlmVitError(f"cupy backend: the runtime's kernels are not the {kernels!r} ones asked for")
-        self.device = runtime.device
-        with self.device:
+        self.device, self.current = runtime.device, runtime.current
+        with self.current():
             self._init(weights, p_max, attention, runtime)
 
     def _init(self, weights: TowerWeights, p_max: int, attention: str, runtime: CupyRuntime) -> None:
@@ -146,7 +163,7 @@ class CupyTower:
 
     def _scratch(self) -> GlmVitScratch:
         if self.scratch is None:
-            with self.device, self.stream:
+            with self.current(), self.stream:
                 s = self.scratch = GlmVitScratch(self.plan, naive=self.attention_kind == "naive")
                 if self.fused_mlp:  # over all p_max rows: rows past a call's p feed only unstored output rows
                     s.normed_map.set(self.k.gate_up_map(s.normed), stream=self.stream)
@@ -154,31 +171,58 @@ class CupyTower:
             self.blas.set_workspace(self.scratch.workspace)
         return self.scratch
 
+    # ---- the engine's surface: forward, the stager and the batcher all go through these -----
+    # prepare(grid) -> slab_uploads(tables) in stream order -> pixels(p) filled -> run(tables)
+    # -> outputs(m), everything on self.stream, from a thread inside self.current().
+
+    def prepare(self, grid_thw: np.ndarray) -> GridTables:
+        """A grid's tables, refused past this engine's p_max; the scratch exists from here on."""
+        self.check_budget(grid_thw)
+        self._scratch()
+        return self.grid_tables(grid_thw)
+
+    def slab_uploads(self, tables: GridTables) -> list[tuple[np.ndarray, cupy.ndarray]]:
+        """The (host array, device destination) copies that put this grid's tables into the index
+        slab, which `run` reads; none when the slab holds them already. The caller makes them on
+        self.stream (or a stream self.stream waits for) before that run: from here on the slab
+        counts as this grid's."""
+        if self.uploaded == tables.key:
+            return []
+        s, p = self.scratch, tables.patches
+        copies = [(tables.positions, s.positions[:p]), (tables.work.tiles, s.tiles[:len(tables.work.tiles)])]
+        if tables.qkv_map is not None:
+            copies.append((tables.qkv_map, s.qkv_map))
+        self.uploaded = tables.key
+        return copies
+
+    def pixels(self, p: int) -> cupy.ndarray:
+        """The BF16 patch rows [p, patch_dim] that run() embeds: the caller writes them first."""
+        return self.scratch.pixels[:p]
+
+    def outputs(self, m: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """(last_hidden_state, pooler_output) float32 [m, out_hidden] of the last run, in the
+        scratch: read them (on self.stream) before the next run overwrites them."""
+        return self.scratch.last_hidden[:m], self.scratch.pooler[:m]
+
     # ---- the forward: host bookkeeping, then one flat sequence of launches -------------
 
     def forward(self, pixel_values, grid_thw: np.ndarray, marks: Callable[[str], None] | None = None):
-        with self.device:
+        with self.current():
             return self._forward(pixel_values, grid_thw, marks)
 
     def _forward(self, pixel_values, grid_thw: np.ndarray, marks: Callable[[str], None] | None):
-        p = self.check_budget(grid_thw)
-        s = self._scratch()
-        tables = self.grid_tables(grid_thw)
-        m = p // self.geo.merge_unit
+        tables = self.prepare(grid_thw)
+        p = tables.patches
         caller = cupy.cuda.get_current_stream()
         with self.stream:
             self.stream.wait_event(caller.record())
             pixels = self._pixels(pixel_values)
             # Outside any graph: the input array changes between calls, the tables between grids.
-            self.k.f32_to_bf16(pixels, s.pixels[:p])
-            if self.uploaded != tables.key:
-                s.positions[:p].set(tables.positions, stream=self.stream)
-                s.tiles[:len(tables.work.tiles)].set(tables.work.tiles, stream=self.stream)
-                if self.k.hopper:
-                    s.qkv_map.set(tables.qkv_map, stream=self.stream)
-                self.uploaded = tables.key
-            self.run(p, tables, marks)
-            last_hidden, pooler = s.last_hidden[:m].copy(), s.pooler[:m].copy()
+            self.k.f32_to_bf16(pixels, self.pixels(p))
+            for host, device in self.slab_uploads(tables):
+                device.set(host, stream=self.stream)
+            self.run(tables, marks)
+            last_hidden, pooler = (out.copy() for out in self.outputs(p // self.geo.merge_unit))
         synchronize(self.stream, "the forward")
         return last_hidden, pooler
 
@@ -202,8 +246,7 @@ class CupyTower:
         return p
 
     def grid_tables(self, grid_thw: np.ndarray) -> GridTables:
-        """The host tables of a grid (cached for the last MAX_GRAPHS grids): the index slab's
-        contents, which the caller uploads when `uploaded` is not this grid's key."""
+        """The host tables of a grid (cached for the last MAX_GRAPHS grids)."""
         key = grid_thw.tobytes()
         if key in self.tables:
             self.tables.move_to_end(key)
@@ -211,7 +254,8 @@ class CupyTower:
         geo, p = self.geo, num_patches(grid_thw)
         segments = frame_segments(grid_thw)
         bm = self.k.flash_bm(segments[:, 1].tolist(), geo.num_heads)
-        tables = GridTables(key, False, segments, flash_work_list(segments, bm, geo.num_heads, self.k.flash_slots(bm)),
+        tables = GridTables(key, False, p, segments,
+                            flash_work_list(segments, bm, geo.num_heads, self.k.flash_slots(bm)),
                             block_major_positions(grid_thw, geo.spatial_merge_size),
                             self.k.qkv_map(self._scratch().qkv[:p]) if self.k.hopper else None)
         self.tables[key] = tables
@@ -219,11 +263,11 @@ class CupyTower:
             self.tables.popitem(last=False)
         return tables
 
-    def run(self, p: int, tables: GridTables, marks: Callable[[str], None] | None = None) -> None:
+    def run(self, tables: GridTables, marks: Callable[[str], None] | None = None) -> None:
         """The forward over the scratch's pixels and index slab (both in place), on self.stream:
         replayed from a graph when this grid has one, captured when it was seen before, else
         eager (the first image of a shape never waits on a capture)."""
-        key = tables.key
+        key, p = tables.key, tables.patches
         if marks is not None:  # stage timing: always eager
             self._body(p, tables.segments, tables.work, marks)
         elif key in self.graphs or tables.seen:

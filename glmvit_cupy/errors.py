@@ -16,3 +16,16 @@ class InternalError(RuntimeError):
     """A broken invariant of the package itself (a bug, not the caller's input): checked with
     `if`, not `assert`, where breaking it would read or write out of bounds, so `python -O`
     keeps the check."""
+
+
+class InputError(GlmVitError):
+    """One input cannot be encoded (it does not decode, exceeds the token budget, or its
+    embedding holds NaN/Inf); every other input of the same call or batch can."""
+
+
+class Overloaded(GlmVitError):
+    """A batcher's queue is full: the request was refused at once, not queued."""
+
+
+class RequestTimeout(GlmVitError):
+    """A batcher's request was not answered within its timeout_s."""

@@ -64,8 +64,8 @@ class TensorMaps:
         status = self._encode(ctypes.c_void_p(out.ctypes.data), self._BF16, u32(2), ctypes.c_void_p(array.data.ptr),
                               dims, strides, box, step, 0, self._SWIZZLE_128B, self._L2_256B, 0)
         if status != 0:
-            raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} "
-                               f"(shape {array.shape}, box {box_rows}x{box_cols})")
+            raise GlmVitError(f"the GPU driver refused a TMA descriptor: cuTensorMapEncodeTiled gave CUresult {status} "
+                              f"(shape {array.shape}, box {box_rows}x{box_cols})")
         return out.view(np.uint8).copy()
 
 

@@ -31,9 +31,11 @@ from .errors import GlmVitError
 from .geometry import GlmVitGeometry, patch_budget
 from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
-from .pipeline import DEFAULT_WORKERS, Decoder, StreamTurn, stream_in_turn
-from .staging import OUTPUT_NAMES, make_stager
-from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, processor_config,
+from .bf16 import bf16_array
+from .errors import InputError
+from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS, Decoder, StreamTurn, stream_in_turn
+from .staging import DEFAULT_DTYPE, DTYPES, make_stager
+from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, image_input, processor_config,
                          with_settings)
 
 BACKENDS = ("auto", "numpy", "cupy")
@@ -44,24 +46,65 @@ KERNELS = ("auto", "generic", "hopper")
 
 
 @dataclasses.dataclass(frozen=True)
+class Timing:
+    """Where a batcher request's time went, in seconds: `queue_s` from submit until its batch
+    reached the engine (its decode included), `decode_s` the decode itself, `inference_s` its
+    batch's forward and transfers, `total_s` from submit to the result."""
+
+    queue_s: float
+    decode_s: float
+    inference_s: float
+    total_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class GlmVitOutput:
-    """`last_hidden_state` (after the downsample) and `pooler_output` (after the merger), both
-    float32 [merged tokens, out_hidden]; `grid_thw` [images, 3]; `offsets` [images + 1] into
-    the merged-token rows."""
+    """`last_hidden_state` (after the downsample) and `pooler_output` (after the merger), [merged
+    tokens, out_hidden] each (None where that output was not asked for); `grid_thw` [images, 3];
+    `offsets` [images + 1] into the merged-token rows. `error`: with on_error="return", why this
+    image has no embedding (its arrays are None). `timing`: a batcher's result's Timing."""
 
     last_hidden_state: Any
     pooler_output: Any
     grid_thw: np.ndarray
     offsets: np.ndarray
+    error: str | None = None
+    timing: Timing | None = None
 
     def split(self) -> list[GlmVitOutput]:
         """One output per image (views of these arrays)."""
         parts = []
         for i in range(len(self.grid_thw)):
             a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-            parts.append(GlmVitOutput(self.last_hidden_state[a:b], self.pooler_output[a:b],
-                                      self.grid_thw[i:i + 1], np.array([0, b - a])))
+            rows = [None if x is None else x[a:b] for x in (self.last_hidden_state, self.pooler_output)]
+            parts.append(GlmVitOutput(*rows, self.grid_thw[i:i + 1], np.array([0, b - a])))
         return parts
+
+
+def check_output_options(output: Any, dtype: Any) -> tuple[str, ...]:
+    """The output names an `output` option asks for, once it and `dtype` are checked."""
+    if output not in OUTPUTS:
+        raise GlmVitError(f"output {output!r}: expected one of {', '.join(OUTPUTS)}")
+    if dtype not in DTYPES:
+        raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return OUTPUTS[output]
+
+
+def library_output(arrays: dict[str, np.ndarray], grid_thw: np.ndarray, dtype: str,
+                   timing: Timing | None = None) -> GlmVitOutput:
+    """One image's rows as the library returns them: BF16 as ml_dtypes.bfloat16 values."""
+    def value(name: str) -> np.ndarray | None:
+        array = arrays.get(name)
+        return bf16_array(array) if array is not None and dtype == "bfloat16" else array
+
+    rows = len(next(iter(arrays.values())))
+    return GlmVitOutput(value("last_hidden_state"), value("pooler_output"), np.asarray(grid_thw).reshape(1, 3),
+                        np.array([0, rows]), timing=timing)
+
+
+def failed_output(error: str) -> GlmVitOutput:
+    """An image's result under on_error="return" when it failed."""
+    return GlmVitOutput(None, None, np.zeros((1, 3), np.int64), np.zeros(2, np.int64), error=error)
 
 
 def gpu_available() -> tuple[bool, str]:
@@ -126,10 +169,12 @@ def _refuse_nonfinite(out: GlmVitOutput, labels: Sequence[str], xp: Any) -> None
 class GlmVit:
     """The GLM-5.3-Flash vision tower bound to one checkpoint and one backend.
 
-    One GlmVit may be shared by threads (a web service): on the GPU, calls take turns (the
-    engine's scratch, CUDA graphs and uploaded tables are per engine); on the NumPy backend,
-    which keeps no state between calls, forward calls run concurrently and encode streams take
-    turns (they share the decode pool)."""
+    One GlmVit may be shared by threads, each of which may call it first: on the GPU, calls take
+    turns (the engine's scratch, CUDA graphs and uploaded tables are per engine); on the NumPy
+    backend, which keeps no state between calls, forward calls run concurrently and encode
+    streams take turns (they share the decode pool). A service whose requests come one image
+    at a time wants `batcher()`, which packs them into shared forward calls. `with GlmVit...`
+    closes it (its decode workers) at the end of the block."""
 
     def __init__(self, tower: Any, backend: str, backend_note: str, fingerprint: str,
                  processor: ProcessorConfig) -> None:
@@ -241,27 +286,35 @@ class GlmVit:
             return cupy
         return np
 
-    def encode_iter(self, images: Iterable[ImageLike], *, workers: int | None = None,
-                    min_image_tokens: int | None = None,
+    def encode_iter(self, images: Iterable[ImageLike], *, output: str = DEFAULT_OUTPUT, dtype: str = DEFAULT_DTYPE,
+                    on_error: str = "raise", workers: int | None = None, min_image_tokens: int | None = None,
                     max_image_tokens: int | None = None) -> Iterator[tuple[Any, GlmVitOutput]]:
-        """Yield (image, its GlmVitOutput) for each of `images` (paths, PIL images, HxWx3 uint8
-        arrays, or any iterable of them), in order, as they complete: decoding runs in `workers`
-        processes (default: all cores but one; 0: in this thread), images are packed into forward
-        calls of at most p_max patches, and memory stays bounded however many images come.
-        Outputs are float32 NumPy arrays on every backend. A failing image raises GlmVitError
-        naming it, after every image before it was yielded. Threads sharing this GlmVit take turns
-        (a loop not run to its end holds the turn until it is closed or dropped)."""
+        """Yield (image, its GlmVitOutput) for each of `images` (paths, bytes, file objects, PIL
+        images, HxWx3 uint8 arrays, or any iterable of them), in order, as they complete:
+        decoding runs in `workers` processes (default: the usable cores but one; 0: in this
+        thread), images are packed into forward calls of at most p_max patches, and memory stays
+        bounded however many images come. `output` ("pooler", "last_hidden" or "both") and
+        `dtype` ("bfloat16", as ml_dtypes.bfloat16 arrays, "float16" or "float32") are made on
+        the device; outputs are NumPy arrays on every backend. A failing image raises InputError
+        naming it, after every image before it was yielded (on_error="raise"), or comes back as
+        an output whose `error` says why (on_error="return"). Threads sharing this GlmVit take
+        turns (a loop not run to its end holds the turn until it is closed or dropped)."""
+        outputs = check_output_options(output, dtype)
+        if on_error not in ("raise", "return"):
+            raise GlmVitError(f"on_error {on_error!r}: expected 'raise' or 'return'")
+        items = (image_input(image, f"image {i}") for i, image in enumerate(images))
         with self.stream_turn():
             processor = self._processor(min_image_tokens, max_image_tokens)
             n = DEFAULT_WORKERS if workers is None else workers
             decoder = self._decoder(n, processor)
-            for result in stream_in_turn(self, images, dtype="float32", processor=processor, decoder=decoder,
-                                         stager=self._staging(processor)):
-                if result.error is not None:
-                    raise GlmVitError(result.error)
-                one = np.array([0, len(result.arrays["pooler_output"])])
-                yield result.item, GlmVitOutput(result.arrays["last_hidden_state"],
-                                                result.arrays["pooler_output"], result.grid_thw[None], one)
+            for result in stream_in_turn(self, items, outputs=outputs, dtype=dtype, processor=processor,
+                                         decoder=decoder, stager=self._staging(processor)):
+                if result.error is None:
+                    yield result.item, library_output(result.arrays, result.grid_thw, dtype)
+                elif on_error == "return":
+                    yield result.item, failed_output(result.error)
+                else:
+                    raise InputError(result.error)
 
     def stream_turn(self, what: str = "encode") -> contextlib.AbstractContextManager[None]:
         """This GlmVit's encode-stream turn, held while a stream runs (pipeline.stream and
@@ -269,15 +322,24 @@ class GlmVit:
         the GPU, the engine's buffers. A stream inside a stream of the same thread is refused."""
         return self._streams(what)
 
-    def encode(self, images: ImageLike | Sequence[ImageLike], *, workers: int | None = None,
+    def engine_turn(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around each use of the engine's buffers outside a stream (a forward, a batcher's
+        batch): on the GPU the same lock as the stream turn, so they take turns with streams."""
+        return self._turns
+
+    def encode(self, images: ImageLike | Sequence[ImageLike], *, output: str = DEFAULT_OUTPUT,
+               dtype: str = DEFAULT_DTYPE, on_error: str = "raise", workers: int | None = None,
                min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> list[GlmVitOutput]:
-        """Preprocess and encode images; one GlmVitOutput per image, in order (encode_iter)."""
-        if isinstance(images, (str, Path, np.ndarray, Image.Image, EncodedImage, bytes, bytearray)):
-            images = [images]  # one image (bytes too: refused as one, not iterated as ints)
+        """Preprocess and encode images; one GlmVitOutput per image, in order, a repeated image
+        once per mention (encode_iter, whose options these are)."""
+        if isinstance(images, (str, Path, np.ndarray, Image.Image, EncodedImage, bytes, bytearray, memoryview)) \
+                or hasattr(images, "read"):
+            images = [images]  # one image (bytes too: not iterated as ints)
         elif not isinstance(images, Iterable):
-            raise GlmVitError(f"cannot encode a {type(images).__name__}: pass a path, a PIL image, an HxWx3 "
-                              "uint8 array, or a list of them")
-        return [out for _, out in self.encode_iter(images, workers=workers, min_image_tokens=min_image_tokens,
+            raise GlmVitError(f"cannot encode a {type(images).__name__}: pass a path, bytes, a file object, a PIL "
+                              "image, an HxWx3 uint8 array, or a list of them")
+        return [out for _, out in self.encode_iter(images, output=output, dtype=dtype, on_error=on_error,
+                                                    workers=workers, min_image_tokens=min_image_tokens,
                                                     max_image_tokens=max_image_tokens)]
 
     def encode_video(self, video: Any, *, config: Any = None, min_image_tokens: int | None = None,
@@ -315,6 +377,14 @@ class GlmVit:
         return VideoOutput(np.concatenate(last_hidden), np.concatenate(pooler), frames.grid_thw,
                            np.array(frames.group_timestamps, dtype=np.float64), len(frames.frames), frames.fps)
 
+    def batcher(self, *, max_wait_ms: float | None = None, max_queue: int | None = None,
+                timeout_s: float | None = None, workers: int | None = None, on_batch: Any = None) -> Any:
+        """A Batcher (batcher.py): requests from any number of threads or coroutines, one image
+        each, packed into shared forward calls as they arrive. None takes batcher.py's defaults."""
+        from .batcher import Batcher
+        return Batcher(self, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout_s=timeout_s, workers=workers,
+                       on_batch=on_batch)
+
     def _processor(self, min_image_tokens: int | None, max_image_tokens: int | None) -> ProcessorConfig:
         """vit.processor with this call's budget (None: the processor's own)."""
         processor = with_settings(self.processor, min_image_tokens=min_image_tokens,
@@ -324,8 +394,8 @@ class GlmVit:
 
     def _decoder(self, workers: int, processor: ProcessorConfig) -> Decoder:
         """The decode pool, kept across calls (a service encoding a request at a time pays for
-        starting the processes once)."""
-        if self._pool is None or (self._pool.workers, self._pool.processor) != (workers, processor):
+        starting the processes once); each input carries its processor settings."""
+        if self._pool is None or self._pool.workers != workers:
             self._close_pool()
             self._pool = Decoder(workers, processor)
         return self._pool
@@ -334,7 +404,7 @@ class GlmVit:
         """encode_iter's stager, kept across calls like the pool: on the GPU it holds ~200 MB of
         pinned host memory and the device output buffers, too costly to allocate per request."""
         if self._stager is None or self._stager[0] != processor:
-            self._stager = (processor, make_stager(self, OUTPUT_NAMES, "float32", processor))
+            self._stager = (processor, make_stager(self, processor))
         return self._stager[1]
 
     def close(self) -> None:
@@ -342,6 +412,12 @@ class GlmVit:
         another thread runs is done."""
         with self.stream_turn("close"):
             self._close_pool()
+
+    def __enter__(self) -> GlmVit:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _close_pool(self) -> None:
         if self._pool is not None:

@@ -9,8 +9,8 @@ Every stage is bounded: at most `window` images are being decoded or wait decode
 batches are on the engine, and results leave in input order as soon as the images before
 them are done, so memory does not grow with the collection. Workers hand over the uint8
 canvas (preprocess.canvas); the engine patchifies it itself (staging.py). Workers are
-processes from a forkserver: the decode is CPU-bound Python/PIL, and a fork of a process
-that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's collection runs
+processes (workers.Child: fresh interpreters that die with their parent): the decode is
+CPU-bound Python/PIL, and a fork of a process that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's collection runs
 (`encode_collection`) are both built on `stream`.
 """
 
@@ -21,15 +21,12 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import multiprocessing
-import os
+import queue
 import signal
-import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -40,9 +37,11 @@ from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, chec
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
 from .staging import DTYPES, OUTPUT_NAMES, make_stager
+from .workers import Child, usable_cpus
 
-DEFAULT_WORKERS = max(1, (os.cpu_count() or 2) - 1)  # all cores but one: the engine's host thread
+DEFAULT_WORKERS = max(1, usable_cpus() - 1)  # all usable cores but one: the engine's host thread
 OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",), "both": OUTPUT_NAMES}
+DEFAULT_OUTPUT = "pooler"  # the merger's output: what the LM splices in
 
 
 @dataclasses.dataclass
@@ -53,10 +52,18 @@ class Prepared:
     error: str | None
     nbytes: int | None = None  # of the file (sources only)
     sha256: str | None = None
+    decode_s: float = 0.0
 
 
 def prepare(item: Any, processor: ProcessorConfig) -> Prepared:
-    """Read (sources), decode and resize one input in a worker. Every failure is a reason."""
+    """Read (sources), decode and resize one input in a worker, timed. Every failure is a reason."""
+    start = time.perf_counter()
+    prepared = _prepare(item, processor)
+    prepared.decode_s = time.perf_counter() - start
+    return prepared
+
+
+def _prepare(item: Any, processor: ProcessorConfig) -> Prepared:
     nbytes = sha = None
     try:
         if isinstance(item, Source):
@@ -73,74 +80,125 @@ def prepare(item: Any, processor: ProcessorConfig) -> Prepared:
         return Prepared(None, f"{getattr(item, 'name', 'image')}: out of memory while decoding", nbytes, sha)
 
 
-def _quiet_worker() -> None:
+def _decode_worker(conn: Any) -> None:
+    """A decode worker process (workers.Child): (input, processor) in, Prepared out, until the
+    parent closes the connection."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    while True:
+        try:
+            item, processor = conn.recv()
+        except EOFError:
+            return
+        conn.send(prepare(item, processor))
 
 
-def _main_reimportable() -> bool:
-    """Whether a worker process can start: it re-imports the caller's main script, so that script
-    must exist as a file (not `python - < script`); an interactive session has none and is fine."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    return path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path)
+def item_name(item: Any) -> str:
+    """How messages name an input."""
+    return str(item) if isinstance(item, (str, Path)) else getattr(item, "name", f"a {type(item).__name__}")
+
+
+class DecodePool:
+    """`workers` decode processes (workers.Child), each fed by a thread of its own that sends it
+    one input at a time. A worker that dies (the OOM killer, a crash in a decoder) is replaced
+    and its input tried once more on the new one; if that one dies too, the input fails alone.
+    A future cancelled before its input reaches a worker costs nothing."""
+
+    def __init__(self, workers: int) -> None:
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._feed, daemon=True, name=f"glmvit-decode-{i}")
+                        for i in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, item: Any, processor: ProcessorConfig) -> Future:
+        future: Future = Future()
+        self.tasks.put((future, item, processor))
+        return future
+
+    def _feed(self) -> None:
+        child = Child(_decode_worker, (), "glmvit-cupy decode")  # started now: up before the first input
+        try:
+            while (task := self.tasks.get()) is not None:
+                future, item, processor = task
+                if not future.set_running_or_notify_cancel():
+                    continue
+                for attempt in range(2):
+                    try:
+                        child.conn.send((item, processor))
+                        result = child.conn.recv()
+                        break
+                    except (EOFError, OSError):  # the worker died under this input
+                        child.close(0)
+                        child = Child(_decode_worker, (), "glmvit-cupy decode")
+                        result = Prepared(None, f"{item_name(item)}: its decode worker process died twice (killed, or "
+                                                "out of memory while decoding it)")
+                future.set_result(result)
+        finally:
+            child.close()
+
+    def close(self) -> None:
+        """Cancel what no worker has taken, then stop the workers once their inputs are done."""
+        while True:
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                task[0].cancel()
+        for _ in self.threads:
+            self.tasks.put(None)
+        for thread in self.threads:
+            thread.join()
 
 
 class Decoder:
-    """In-order decode of an iterable of inputs by `workers` processes (0, or a main script that
-    is no file: in this thread), with at most `window` inputs in flight. threads=True: by
-    `workers` threads instead, for a host that kills its child processes before it lets them be
-    closed (a Ray actor); PIL decodes and resizes without the GIL, so threads scale too."""
+    """Decode of inputs by `workers` processes (DecodePool; 0: in the calling thread), one at a
+    time (`submit`) or in order over an iterable with at most `window` in flight (`map`).
+    threads=True: by `workers` threads instead, for a host that kills its child processes before
+    it lets them be closed (a Ray actor); PIL decodes and resizes without the GIL, so threads
+    scale too. `processor` is the default of each input's settings."""
 
     def __init__(self, workers: int, processor: ProcessorConfig, threads: bool = False) -> None:
         if workers < 0:
             raise GlmVitError(f"workers {workers}: expected 0 (decode in this process) or more")
-        workers = workers if threads or _main_reimportable() else 0
         self.processor, self.workers = processor, workers
         self.window = 4 * workers + 8  # a few images a worker queued: none waits for the main thread
-        self.pool: Executor | None = None
+        self.pool: ThreadPoolExecutor | DecodePool | None = None
         if workers and threads:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="glmvit-decode")
         elif workers:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["glmvit_cupy.pipeline"])
-            self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker)
+            self.pool = DecodePool(workers)
 
-    def map(self, items: Iterable[Any]) -> Iterator[Prepared]:
-        if self.pool is None:
-            for item in items:
-                yield prepare(item, self.processor)
-            return
-        queue: deque[Future] = deque()
+    def submit(self, item: Any, processor: ProcessorConfig | None = None) -> Future:
+        """A future of the input's Prepared."""
+        processor = processor or self.processor
+        if isinstance(self.pool, DecodePool):
+            return self.pool.submit(item, processor)
+        if self.pool is not None:
+            return self.pool.submit(prepare, item, processor)
+        future: Future = Future()
+        future.set_result(prepare(item, processor))
+        return future
+
+    def map(self, items: Iterable[Any], processor: ProcessorConfig | None = None) -> Iterator[Prepared]:
+        queue_: deque[Future] = deque()
         try:
             for item in items:
-                queue.append(self.pool.submit(prepare, item, self.processor))
-                if len(queue) >= self.window:
-                    yield self._result(queue.popleft())
-            while queue:
-                yield self._result(queue.popleft())
+                queue_.append(self.submit(item, processor))
+                if len(queue_) >= self.window:
+                    yield queue_.popleft().result()
+            while queue_:
+                yield queue_.popleft().result()
         finally:
-            for future in queue:
+            for future in queue_:
                 future.cancel()
 
-    def start(self) -> None:
-        """Start the worker processes now (they come up while the caller binds the tower)."""
-        if self.pool is not None:
-            for _ in range(self.workers):
-                self.pool.submit(os.getpid)
-
-    @staticmethod
-    def _result(future: Future) -> Prepared:
-        try:
-            return future.result()
-        except BrokenProcessPool:
-            raise GlmVitError(
-                "a decode worker process died (killed, or out of memory; a script that encodes with workers "
-                "needs its top-level code under `if __name__ == \"__main__\":`): retry, or use workers=0") from None
-
     def close(self) -> None:
-        if self.pool is not None:
+        if isinstance(self.pool, ThreadPoolExecutor):
             self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
+        elif self.pool is not None:
+            self.pool.close()
+        self.pool = None
 
 
 def plan_batches(patch_counts: Sequence[int], p_max: int) -> list[range]:
@@ -215,15 +273,15 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
                    stats: StreamStats | None = None, decoder: Decoder | None = None,
                    stager: Any = None) -> Iterator[Encoded]:
     """stream, for a caller that holds vit.stream_turn(). `decoder` and `stager`
-    (staging.make_stager for these outputs, dtype and processor) may be kept by the caller
-    across streams; by default each stream makes its own (devices.EngineGroup is the stager of
-    its engine processes)."""
+    (staging.make_stager for this processor) may be kept by the caller across streams; by
+    default each stream makes its own (devices.EngineGroup is the stager of its engine
+    processes)."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     if dtype not in DTYPES:
         raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     stats = stats if stats is not None else StreamStats()
-    stager = stager or make_stager(vit, outputs, dtype, processor)
+    stager = stager or make_stager(vit, processor)
     for engine in range(stager.engines):
         stats.gpu_ms.setdefault(engine, 0.0)
     own = decoder is None
@@ -236,7 +294,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
     def submit() -> None:
         nonlocal batch, patches
         grid = np.array([canvas_grid(p.canvas.shape, processor) for _, p in batch], dtype=np.int64)
-        in_flight.append((stager.submit([p.canvas for _, p in batch], grid), batch))
+        in_flight.append((stager.submit([p.canvas for _, p in batch], grid, outputs, dtype), batch))
         batch, patches = [], 0
 
     def collect() -> None:
@@ -262,7 +320,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
 
     try:
         mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
-        for item, prep in zip(mine, decoder.map(theirs)):
+        for item, prep in zip(mine, decoder.map(theirs, processor)):
             slot = [item, None]
             order.append(slot)
             if prep.error is not None:

@@ -29,7 +29,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, BinaryIO, Sequence, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -40,7 +40,9 @@ from .geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, REAL, GlmVitGeometry
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-ImageLike = Union[str, Path, Image.Image, np.ndarray, "EncodedImage"]
+# What encode, submit and preprocess take: a path, a file's bytes (bytes, an open binary file,
+# io.BytesIO, an upload), a decoded image, or the bytes named for messages (EncodedImage).
+ImageLike = Union[str, Path, bytes, bytearray, memoryview, BinaryIO, Image.Image, np.ndarray, "EncodedImage"]
 PREPROCESSOR_FILE = "preprocessor_config.json"  # the processor's settings, beside the weights
 
 
@@ -234,6 +236,26 @@ class EncodedImage:
     data: bytes
 
 
+def image_input(image: Any, name: str) -> Any:
+    """An input as a worker takes it: bytes and file-like objects (read here, in the caller: that
+    is I/O, not decoding) become an EncodedImage named `name` (or the file's own name); a path,
+    a PIL image or an array is passed as it is. Any other type is refused in one line."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return EncodedImage(name, bytes(image))
+    if hasattr(image, "read") and not isinstance(image, Image.Image):
+        try:
+            data = image.read()
+        except (OSError, ValueError) as exc:
+            raise GlmVitError(f"{name}: cannot read the file object: {exc}") from None
+        if not isinstance(data, (bytes, bytearray)):
+            raise GlmVitError(f"{name}: the file object gave {type(data).__name__}, not bytes (open it in 'rb' mode)")
+        return EncodedImage(str(getattr(image, "name", name)), bytes(data))
+    if not isinstance(image, (str, Path, Image.Image, np.ndarray, EncodedImage)):
+        raise GlmVitError(f"{name}: cannot encode a {type(image).__name__}: pass a path, bytes, a file object, "
+                          "a PIL image or an HxWx3 uint8 array")
+    return image
+
+
 def load_rgb(image: ImageLike, convert_rgb: bool = True) -> Image.Image:
     """Any accepted input as the RGB PIL image the processor works on; file errors become
     one-line GlmVitErrors. `convert_rgb` is the processor's do_convert_rgb."""
@@ -372,7 +394,7 @@ def patchify(canvas: np.ndarray, config: ProcessorConfig = ProcessorConfig()) ->
 def image_list(images: ImageLike | Sequence[ImageLike]) -> list:
     """One image or a sequence of them, as a list (anything else is one item, which load_rgb
     then refuses by type)."""
-    if isinstance(images, (str, Path, np.ndarray, bytes, bytearray)) or not isinstance(images, Sequence):
+    if isinstance(images, (str, Path, np.ndarray, bytes, bytearray, memoryview)) or not isinstance(images, Sequence):
         return [images]
     return list(images)
 
@@ -385,6 +407,6 @@ def preprocess(images: ImageLike | Sequence[ImageLike], config: ProcessorConfig 
     images = image_list(images)
     if len(images) == 0:
         raise GlmVitError("no images to preprocess")
-    canvases = [canvas(image, config) for image in images]
+    canvases = [canvas(image_input(image, f"image {i}"), config) for i, image in enumerate(images)]
     pixels = np.concatenate([patchify(c, config) for c in canvases])
     return pixels, np.array([canvas_grid(c.shape, config) for c in canvases], dtype=np.int64)

@@ -36,10 +36,10 @@ from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
 from .errors import GlmVitError
-from .pipeline import OUTPUTS, Decoder, shard_metadata, stream
+from .pipeline import DEFAULT_OUTPUT, OUTPUTS, Decoder, shard_metadata, stream
 from .shards import DEFAULT_SHARD_SIZE, FAILURES, ShardWriter
 from .sources import Source
-from .staging import DTYPES, make_stager
+from .staging import DEFAULT_DTYPE, DTYPES, make_stager
 from .writer import atomic_directory, write_atomic
 
 PART = "part-"
@@ -90,7 +90,7 @@ class GlmVitEmbedder:
     actor's own GLMVIT_CHECK_LAUNCHES (a cluster's workers get it through Ray's runtime_env
     env_vars, not from the driver's shell)."""
 
-    def __init__(self, model: str, *, backend: str = "auto", output: str = "pooler", dtype: str = "float32",
+    def __init__(self, model: str, *, backend: str = "auto", output: str = DEFAULT_OUTPUT, dtype: str = DEFAULT_DTYPE,
                  max_pixels: int | None = None, kernels: str = "auto", gpu_memory_fraction: float | None = None,
                  workers: int = 0, min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> None:
         from .model import GlmVit, gpu_available
@@ -112,7 +112,7 @@ class GlmVitEmbedder:
         # threads: Ray kills an actor's child processes before its shutdown hook runs, so a
         # process pool could not be closed, and its semaphores' cleanup printed tracebacks
         self.decoder = Decoder(workers, processor, threads=True)
-        self.stager = make_stager(self.vit, self.outputs, dtype, processor)
+        self.stager = make_stager(self.vit, processor)
         self.metadata = json.dumps(shard_metadata(self.vit, self.outputs, dtype, processor), sort_keys=True)
         self.empty = np.zeros((0, self.vit.geometry.out_hidden_size), dtype=DTYPES[dtype][0])
 

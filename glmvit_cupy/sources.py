@@ -123,14 +123,16 @@ def read_list(list_file: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def expand_inputs(inputs: Sequence[str], files_from: str | None = None) -> list[Source]:
-    """All sources named by `inputs` (and the list file), in order, each once (first mention)."""
+def expand_inputs(inputs: Sequence[str], files_from: str | None = None, unique: bool = True) -> list[Source]:
+    """All sources named by `inputs` (and the list file), in order: each once, at its first
+    mention (a collection: one record a file), or with unique=False once a mention (a file of
+    results whose positions match the inputs)."""
     items: Iterable[str] = list(inputs) + (read_list(files_from) if files_from is not None else [])
     seen: set[str] = set()
     out: list[Source] = []
     for item in items:
         for source in _expand_one(str(item)):
-            if source.key not in seen:
+            if not unique or source.key not in seen:
                 seen.add(source.key)
                 out.append(source)
     return out

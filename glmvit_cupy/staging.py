@@ -37,6 +37,7 @@ from .layout import merged_offsets
 from .preprocess import ProcessorConfig, patchify, pixel_table
 
 DTYPES = {"bfloat16": (np.uint16, "BF16"), "float16": (np.float16, "F16"), "float32": (np.float32, "F32")}
+DEFAULT_DTYPE = "bfloat16"  # of every output the package makes: shards, the library, Ray (what the LM consumes)
 OUTPUT_NAMES = ("pooler_output", "last_hidden_state")
 _ALIGN = 256
 
@@ -89,77 +90,91 @@ class NumpyStager:
     depth = 2  # batches a stream keeps submitted (the CUDA stager's; here submit does the work)
     engines = 1
 
-    def __init__(self, tower, outputs: Sequence[str], dtype: str, processor: ProcessorConfig) -> None:
-        self.tower, self.outputs, self.dtype, self.processor = tower, tuple(outputs), dtype, processor
+    def __init__(self, tower, processor: ProcessorConfig) -> None:
+        self.tower, self.processor = tower, processor
 
-    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray) -> Pending:
+    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
+               dtype: str) -> Pending:
         pixels = np.concatenate([patchify(c, self.processor) for c in canvases])
         last_hidden, pooler = self.tower.forward(pixels, grid_thw)
         produced = {"pooler_output": pooler, "last_hidden_state": last_hidden}
-        arrays = {name: host_cast(produced[name], self.dtype) for name in self.outputs}
-        finite = np.logical_and.reduce([finite_rows(a, self.dtype) for a in arrays.values()])
+        arrays = {name: host_cast(produced[name], dtype) for name in outputs}
+        finite = np.logical_and.reduce([finite_rows(a, dtype) for a in arrays.values()])
         return Pending(grid_thw, merged_offsets(grid_thw, self.tower.geo.merge_unit), arrays, finite)
 
 
 class CupyStager:
-    """Pinned slots, the upload and download streams and the device buffers around one CupyTower."""
+    """Pinned slots, the upload and download streams and the device buffers around one CupyTower.
+    Each batch names its outputs and dtype; their buffers are made when first asked for (and
+    remade larger for a wider dtype), so a run of BF16 poolers holds no float32 copies."""
 
     depth = 2  # batches a stream keeps submitted: k + 1 uploads while k computes (two slots)
     engines = 1
 
-    def __init__(self, tower, outputs: Sequence[str], dtype: str, processor: ProcessorConfig) -> None:
+    def __init__(self, tower, processor: ProcessorConfig) -> None:
         import cupy
 
-        self.cupy, self.tower, self.outputs, self.dtype = cupy, tower, tuple(outputs), dtype
+        self.cupy, self.tower = cupy, tower
         geo, p_max = tower.geo, tower.p_max
-        m_max = p_max // geo.merge_unit
+        self.m_max, self.width = p_max // geo.merge_unit, geo.out_hidden_size
         self.patch, self.temporal = processor.patch_size, processor.temporal_patch_size
         canvas_bytes = p_max * 3 * self.patch ** 2  # every canvas pixel belongs to one patch
         # staging: canvases | images [n, 4] | positions [P, 2] | work list [tiles, 4] | QKV map
-        self.capacity = (_up(canvas_bytes) + _up(16 * m_max) + _up(8 * p_max) + _up(16 * tower.plan.max_tiles)
-                         + _ALIGN)
-        itemsize = np.dtype(DTYPES[dtype][0]).itemsize
-        with tower.device:
+        self.capacity = (_up(canvas_bytes) + _up(16 * self.m_max) + _up(8 * p_max)
+                         + _up(16 * tower.plan.max_tiles) + _ALIGN)
+        with tower.current():
             self.up_stream = cupy.cuda.Stream(non_blocking=True)
             self.down_stream = cupy.cuda.Stream(non_blocking=True)
             self.staging = cupy.empty(self.capacity, dtype=cupy.uint8)
             self.table = cupy.asarray(pixel_table(processor))
-            self.device_out = {name: cupy.empty((m_max, geo.out_hidden_size), dtype=DTYPES[dtype][0])
-                               for name in self.outputs}
             self.pinned_in = [self._pinned(self.capacity) for _ in range(2)]
-            self.device_finite = cupy.empty(m_max, dtype=cupy.bool_)
-            self.pinned_out = [{name: self._pinned(m_max * geo.out_hidden_size * itemsize).view(DTYPES[dtype][0])
-                                for name in self.outputs} for _ in range(2)]
-            self.pinned_finite = [self._pinned(m_max).view(np.bool_) for _ in range(2)]
-            self.uploaded_events = [None, None]  # per input slot: its H2D, before the host refills it
-            self.slot_pending: list[Pending | None] = [None, None]  # per output slot: who must collect first
-            self.consumed = None  # the engine has read the staging buffer (the last batch's)
-            self.downloaded = None  # the device output buffer has reached the host (the last batch's)
-        self.k = 0
+            self.device_finite = cupy.empty(self.m_max, dtype=cupy.bool_)
+            self.pinned_finite = [self._pinned(self.m_max).view(np.bool_) for _ in range(2)]
+        self.device_out: dict[str, object] = {}  # output name -> raw device bytes
+        self.pinned_out: list[dict[str, np.ndarray]] = [{}, {}]  # per slot: output name -> raw pinned bytes
+        self.uploaded_events = [None, None]  # per input slot: its H2D, before the host refills it
+        self.slot_pending: list[Pending | None] = [None, None]  # per output slot: who must collect first
+        self.consumed = None  # the engine has read the staging buffer (the last batch's)
+        self.downloaded = None  # the device output buffer has reached the host (the last batch's)
+        self.batches = 0
 
     def _pinned(self, nbytes: int) -> np.ndarray:
         mem = self.cupy.cuda.alloc_pinned_memory(nbytes)
         return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
 
-    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray) -> Pending:
-        cupy, tower = self.cupy, self.tower
-        with tower.device:
-            return self._submit(cupy, tower, canvases, grid_thw)
-
-    def _submit(self, cupy, tower, canvases, grid_thw: np.ndarray) -> Pending:
+    def _output_buffers(self, slot: int, outputs: Sequence[str], dtype: str) -> None:
+        """Make (or enlarge) the device and slot buffers of these outputs for dtype. The slot's
+        last batch has been collected; the device buffer's last download is waited for."""
         from .faults import synchronize
-        p = tower.check_budget(grid_thw)
-        s = tower._scratch()
-        tables = tower.grid_tables(grid_thw)
+        nbytes = self.m_max * self.width * np.dtype(DTYPES[dtype][0]).itemsize
+        for name in outputs:
+            if name not in self.device_out or self.device_out[name].nbytes < nbytes:
+                if self.downloaded is not None:
+                    synchronize(self.downloaded, "the download of the pipeline's outputs")
+                self.device_out[name] = self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+            if name not in self.pinned_out[slot] or self.pinned_out[slot][name].nbytes < nbytes:
+                self.pinned_out[slot][name] = self._pinned(nbytes)
+
+    def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
+               dtype: str) -> Pending:
+        with self.tower.current():
+            return self._submit(canvases, grid_thw, tuple(outputs), dtype)
+
+    def _submit(self, canvases, grid_thw: np.ndarray, outputs: tuple[str, ...], dtype: str) -> Pending:
+        from .faults import synchronize
+        cupy, tower = self.cupy, self.tower
+        tables = tower.prepare(grid_thw)
+        p = tables.patches
         m = p // tower.geo.merge_unit
-        slot = self.k % 2
-        self.k += 1
+        slot = self.batches % 2
+        self.batches += 1
         if self.slot_pending[slot] is not None:  # its output slot is about to be overwritten
             self.slot_pending[slot].result()
         if self.uploaded_events[slot] is not None:
             synchronize(self.uploaded_events[slot], "an upload of the pipeline's input slot")
+        self._output_buffers(slot, outputs, dtype)
 
-        # Host: pack the slot (canvases back to back, then the tables).
+        # Host: pack the slot (canvases back to back, then the index slab's tables if it needs them).
         buf = self.pinned_in[slot]
         images = np.empty((len(canvases), 4), dtype=np.int32)
         cursor, row = 0, 0
@@ -170,17 +185,13 @@ class CupyStager:
             row += (c.shape[0] // self.patch) * (c.shape[1] // self.patch)
         if row != p:  # canvases not on the patch grid would misplace every row after them
             raise GlmVitError(f"the batch's canvases hold {row} patches, its grid_thw {p}")
-        at = {}
-        fresh = tower.uploaded != tables.key
-        parts = [("images", images)] + ([("positions", tables.positions), ("tiles", tables.work.tiles)]
-                                        + ([("qkv_map", tables.qkv_map)] if tables.qkv_map is not None else [])
-                                        if fresh else [])
-        cursor = _up(cursor)
-        for name, array in parts:
+        placed = []  # (offset in staging, bytes, device destination or None for the image table)
+        for array, destination in [(images, None)] + tower.slab_uploads(tables):
+            cursor = _up(cursor)
             raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-            at[name] = (cursor, raw.size)
             buf[cursor:cursor + raw.size] = raw
-            cursor = _up(cursor + raw.size)
+            placed.append((cursor, raw.size, destination))
+            cursor += raw.size
 
         # Upload stream: once the engine has read the previous batch's staging.
         up, down, stream = self.up_stream, self.down_stream, tower.stream
@@ -193,58 +204,59 @@ class CupyStager:
         stream.wait_event(uploaded)
         start = stream.record()
         with stream:
-            img_at, _ = at["images"]
+            img_at = placed[0][0]
             tower.k.patchify_u8(self.staging, self.staging[img_at:].view(cupy.int32), len(canvases), self.table,
-                                s.pixels[:p], self.patch, self.temporal)
-            if fresh:
-                for name, dst in (("positions", s.positions), ("tiles", s.tiles), ("qkv_map", s.qkv_map)):
-                    if name in at:
-                        off, n = at[name]
-                        dst.data.copy_from_device_async(self.staging.data + off, n, stream)
-                tower.uploaded = tables.key
+                                tower.pixels(p), self.patch, self.temporal)
+            for offset, nbytes, destination in placed[1:]:
+                destination.data.copy_from_device_async(self.staging.data + offset, nbytes, stream)
             self.consumed = stream.record()
-            tower.run(p, tables)
+            tower.run(tables)
             if self.downloaded is not None:
                 stream.wait_event(self.downloaded)
-            produced = {"pooler_output": s.pooler[:m], "last_hidden_state": s.last_hidden[:m]}
+            last_hidden, pooler = tower.outputs(m)
+            produced = {"pooler_output": pooler, "last_hidden_state": last_hidden}
             finite = self.device_finite[:m]
             finite.fill(True)
-            for name in self.outputs:
-                self._cast(produced[name], self.device_out[name][:m], stream)
-                finite &= finite_rows(self.device_out[name][:m], self.dtype)
+            device_out = {}
+            for name in outputs:
+                dst = device_out[name] = self._view(self.device_out[name], m, dtype)
+                self._cast(produced[name], dst, dtype, stream)
+                finite &= finite_rows(dst, dtype)
             computed = stream.record()
 
         # Download stream: the outputs to the host slot.
         down.wait_event(computed)
-        out = self.pinned_out[slot]
-        for name in self.outputs:
-            dev = self.device_out[name][:m]
-            dev.data.copy_to_host_async(ctypes.c_void_p(out[name].ctypes.data), dev.nbytes, down)
+        out = {name: self._view(self.pinned_out[slot][name], m, dtype) for name in outputs}
+        for name in outputs:
+            device_out[name].data.copy_to_host_async(ctypes.c_void_p(out[name].ctypes.data), out[name].nbytes, down)
         flags = self.pinned_finite[slot]
         finite.data.copy_to_host_async(ctypes.c_void_p(flags.ctypes.data), m, down)
         downloaded = self.downloaded = down.record()
-        width = tower.geo.out_hidden_size
 
         def collect():
             synchronize(downloaded, "a forward of the pipeline (or the download of its outputs)")
-            arrays = {name: out[name][:m * width].reshape(m, width).copy() for name in self.outputs}
-            return arrays, flags[:m].copy(), cupy.cuda.get_elapsed_time(start, computed)
+            return ({name: array.copy() for name, array in out.items()}, flags[:m].copy(),
+                    cupy.cuda.get_elapsed_time(start, computed))
 
         pending = Pending(grid_thw, merged_offsets(grid_thw, tower.geo.merge_unit), collect=collect)
         self.slot_pending[slot] = pending
         return pending
 
-    def _cast(self, src, dst, stream) -> None:
-        if self.dtype == "bfloat16":
+    def _view(self, raw, m: int, dtype: str):
+        """The first m rows of a raw output buffer, as dtype [m, out_hidden]."""
+        dt = DTYPES[dtype][0]
+        return raw[:m * self.width * np.dtype(dt).itemsize].view(dt).reshape(m, self.width)
+
+    def _cast(self, src, dst, dtype: str, stream) -> None:
+        if dtype == "bfloat16":
             self.tower.k.f32_to_bf16(src, dst)
-        elif self.dtype == "float16":
+        elif dtype == "float16":
             self.tower.k.f32_to_f16(src, dst)
         else:
             dst.data.copy_from_device_async(src.data, src.nbytes, stream)
 
 
-def make_stager(vit, outputs: Sequence[str], dtype: str, processor: ProcessorConfig):
+def make_stager(vit, processor: ProcessorConfig):
     """The stager for a GlmVit's backend."""
     cls = CupyStager if vit.backend == "cupy" else NumpyStager
-    return cls(vit.tower, outputs, dtype, processor)
-
+    return cls(vit.tower, processor)

@@ -35,7 +35,7 @@ WRONG_CALLS = {
     # call: message regex
     "encode(5)": (lambda v: v.encode(5), r"cannot encode a int"),
     "encode(None)": (lambda v: v.encode(None), r"cannot encode a NoneType"),
-    "encode(b'...')": (lambda v: v.encode(b"\x89PNG"), r"cannot encode a bytes"),
+    "encode(b'...')": (lambda v: v.encode(b"\x89PNG"), r"image 0: not an image PIL can decode"),
     "encode([image, 3.5])": (lambda v: v.encode([photo_like(28, 28), 3.5]), r"cannot encode a float"),
     "encode(float image)": (lambda v: v.encode(photo_like(28, 28).astype(np.float32)),
                             r"dtype float32, expected HxWx3 uint8"),
@@ -181,8 +181,8 @@ def test_a_stream_and_close_from_other_threads_wait_for_the_stream_in_flight(vit
     shares the decode pool; without close waiting, the pool is shut down under the stream
     ("cannot schedule new futures after shutdown")."""
     images = [photo_like(28 * (1 + i % 3), 28 * (1 + i % 2), i) for i in range(6)]
-    want = [o.pooler_output for o in vit.encode(images, workers=1)]
-    loop = vit.encode_iter(images, workers=1)
+    want = [o.pooler_output for o in vit.encode(images, workers=1, dtype="float32")]  # stream's dtype
+    loop = vit.encode_iter(images, workers=1, dtype="float32")
     first = next(loop)[1].pooler_output
     got: dict[str, list] = {}
     others = [threading.Thread(target=lambda: got.setdefault("stream", [

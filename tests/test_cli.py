@@ -44,7 +44,7 @@ def test_newcomer_flow_make_checkpoint_then_encode(tmp_path, pngs):
     proc = run("encode", str(pngs[0]), "--model", str(tmp_path / "ckpt"), "--out", str(out), "--backend", "numpy")
     assert proc.returncode == 0, proc.stderr
     emb = np.load(out)
-    expected = GlmVit.from_pretrained(tmp_path / "ckpt", backend="numpy").encode(pngs[0])[0].pooler_output
+    expected = GlmVit.from_pretrained(tmp_path / "ckpt", backend="numpy").encode(pngs[0], dtype="float32")[0].pooler_output
     assert emb.dtype == np.float32 and np.array_equal(emb, expected)
 
 
@@ -82,7 +82,7 @@ def test_npz_with_several_images_and_both_outputs(tmp_path, tiny_ckpt, pngs):
     assert proc.returncode == 0, proc.stderr
     data = np.load(out)
     assert set(data.files) == {"pooler_output", "last_hidden_state", "grid_thw", "offsets"}
-    results = GlmVit.from_pretrained(tiny_ckpt, backend="numpy").encode(pngs)
+    results = GlmVit.from_pretrained(tiny_ckpt, backend="numpy").encode(pngs, output="both", dtype="float32")
     assert data["grid_thw"].tolist() == [r.grid_thw[0].tolist() for r in results]
     lengths = [len(r.pooler_output) for r in results]
     assert data["offsets"].tolist() == [0, lengths[0], sum(lengths)]
@@ -94,7 +94,7 @@ def test_last_hidden_only(tmp_path, tiny_ckpt, pngs):
     out = tmp_path / "lh.npy"
     assert run("encode", str(pngs[1]), "--model", str(tiny_ckpt), "--out", str(out), "--backend", "numpy",
                "--output", "last_hidden").returncode == 0
-    ref = GlmVit.from_pretrained(tiny_ckpt, backend="numpy").encode(pngs[1])[0].last_hidden_state
+    ref = GlmVit.from_pretrained(tiny_ckpt, backend="numpy").encode(pngs[1], output="last_hidden", dtype="float32")[0].last_hidden_state
     assert np.array_equal(np.load(out), ref)
 
 

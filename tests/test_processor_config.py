@@ -113,7 +113,7 @@ def test_a_model_with_its_own_processor_gives_transformers_result(tmp_path):
     ref_pixels, ref_grid = oracle(model, imgs)
     vit = GlmVit.from_pretrained(model, backend="numpy")
     assert vit.processor == processor_config(model)[0] and vit.processor.resample == 1
-    results = vit.encode(imgs)
+    results = vit.encode(imgs, output="both", dtype="float32")
     assert np.array_equal(np.concatenate([r.grid_thw for r in results]), ref_grid)
     _, ref_pooler = run_transformers(tower, ref_pixels, ref_grid)
     assert rel_err(np.concatenate([r.pooler_output for r in results]), ref_pooler) <= 1e-5
@@ -141,6 +141,6 @@ def test_info_and_encode_use_the_file_and_the_options(tmp_path):
     proc = run("encode", str(tmp_path / "a.png"), "--model", str(ckpt), "--out", str(out), "--backend", "numpy",
                "--max-image-tokens", "36")
     assert proc.returncode == 0, proc.stderr
-    expected = GlmVit.from_pretrained(ckpt, backend="numpy", max_image_tokens=36).encode(tmp_path / "a.png")[0]
+    expected = GlmVit.from_pretrained(ckpt, backend="numpy", max_image_tokens=36).encode(tmp_path / "a.png", output="both", dtype="float32")[0]
     assert 30 <= len(expected.pooler_output) <= 36
     assert np.array_equal(np.load(out)["pooler_output"], expected.pooler_output)

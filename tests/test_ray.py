@@ -114,7 +114,7 @@ def test_gpu_actors_sharing_a_gpu_get_half_its_pool_and_the_engines_bits(tmp_pat
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _PoolProbe lives in this test module
     paths = make_images(tmp_path / "img", 8, seed=13)
     ds = ray.data.read_binary_files(str(tmp_path / "img"), include_paths=True)
-    rows = ds.map_batches(_PoolProbe, fn_constructor_kwargs={"model": str(real_ckpt), "backend": "cupy"},
+    rows = ds.map_batches(_PoolProbe, fn_constructor_kwargs={"model": str(real_ckpt), "backend": "cupy", "dtype": "float32"},
                           compute=ray.data.ActorPoolStrategy(size=2), num_gpus=0.5, batch_size=1).take_all()
     assert sorted(r["path"] for r in rows) == sorted(map(str, paths)) and all(r["error"] == "" for r in rows)
     assert {round(r["pool_fraction"], 6) for r in rows} == {0.5}
@@ -122,7 +122,7 @@ def test_gpu_actors_sharing_a_gpu_get_half_its_pool_and_the_engines_bits(tmp_pat
     vit = GlmVit.from_pretrained(real_ckpt, backend="cupy")
     try:
         for row in rows:
-            want = vit.encode(row["path"])[0].pooler_output
+            want = vit.encode(row["path"], dtype="float32")[0].pooler_output
             assert np.array_equal(row["pooler_output"], want), (row["path"], rel_err(row["pooler_output"], want))
     finally:
         vit.close()

@@ -38,7 +38,7 @@ def test_real_width_depth_two_on_a_448_image(real_width_ckpt):
 def test_encode_returns_one_result_per_image(tiny_ckpt):
     vit = GlmVit.from_pretrained(tiny_ckpt, backend="numpy")
     images = [photo_like(100, 60, 6), photo_like(28, 28, 7)]
-    results = vit.encode(images)
+    results = vit.encode(images, output="both", dtype="float32")
     pixels, grid = preprocess(images)
     whole = vit.forward(pixels, grid)
     tokens = (grid.prod(axis=1) // 4).tolist()
