@@ -22,7 +22,7 @@ import pytest
 
 from glmvit_cupy import GlmVit, GlmVitError
 from glmvit_cupy.synthetic import photo_like, write_checkpoint
-from glmvit_cupy.video import VideoConfig, open_video, video_config, video_frames
+from glmvit_cupy.video import VideoConfig, open_video, sample_frames, video_config, video_frames
 from helpers import TINY_TEXT, rel_err
 
 av = pytest.importorskip("av", reason="PyAV (the [video] extra) is not installed")
@@ -61,6 +61,7 @@ CLIPS = {
     "avi_scaled_down": ("e.avi", 90, 30, 240, 320, "mjpeg", "small"),  # over the budget
     "mp4_enlarged": ("f.mp4", 30, 30, 24, 32, "libx264", "plain"),  # under the minimum budget
     "mkv_every_frame": ("g.mkv", 9, 30, 64, 80, "libx264", "unsampled"),  # 9 frames: round(4.5) frames' budget
+    "mp4_1fps": ("h.mp4", 4, 1, 96, 112, "libx264", "plain"),  # fewer frames than 2 a second: duplicates dropped
 }
 SCALED_CASES = {"avi_scaled_down", "mp4_enlarged"}
 CONFIGS = {
@@ -150,14 +151,22 @@ def test_clip_equals_transformers(name, checkpoints, clips, oracle):
 
 
 @needs_oracle
-def test_sampling_quirks(checkpoints, clips, oracle):
-    """The issue's example (2.5 s at 29.97 fps: frames 0, 11, 22, 33, 45, the odd count padded),
-    the evenly spaced fallback, and the scaled-down canvas."""
+def test_sampling_equals_transformers(checkpoints, clips, oracle):
+    """Our sampler's indices from the header's numbers are the processor's, for every clip; and
+    they show the quirks: the issue's example (2.5 s at 29.97 fps: frames 0, 11, 22, 33, 45, the odd
+    count padded), the evenly spaced fallbacks, max_duration, every frame when not sampling."""
+    for name in CLIPS:
+        config, _ = video_config(checkpoints[CLIPS[name][-1]])
+        ref = oracle[name]
+        total, fps = int(ref["total_num_frames"]), float(ref["fps"])
+        ours = sample_frames(total, fps, total / fps, config) if config.do_sample_frames else list(range(total))
+        assert ours == ref["frames_indices"].tolist(), name
     assert oracle["mp4_2997"]["frames_indices"].tolist() == [0, 11, 22, 33, 45, 45]
     assert oracle["mov_60"]["frames_indices"].tolist() == [0, 15, 30, 30]
     assert oracle["mkv_portrait"]["frames_indices"].tolist() == [0, 11, 23, 35, 47, 59, 71, 83, 95, 95]
     assert oracle["avi_scaled_down"]["frames_indices"].tolist() == [0, 29, 59, 89]  # max_duration 2 of 3 s
     assert oracle["mkv_every_frame"]["frames_indices"].tolist() == list(range(9))
+    assert oracle["mp4_1fps"]["frames_indices"].tolist() == [0, 1, 2, 3]
     assert open_video(clips["avi_scaled_down"], video_config(checkpoints["small"])[0]).frames[0].shape == (105, 140, 3)
 
 
