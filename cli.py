@@ -137,8 +137,8 @@ encodes only what is missing.""")
 @click.option("--quiet", "-q", is_flag=True, help="No progress; only errors and the final summary line.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Pixel budget of one forward call, all images packed into it together (sizes the "
-                   f"GPU scratch). [default: one image of {MAX_IMAGE_TOKENS} merged tokens, whatever "
-                   "--max-image-tokens says]")
+                   "GPU scratch); it must hold one image at the processor's max_image_tokens. [default: "
+                   "one such image]")
 @click.option("--devices", default=None, metavar="all|0,1,...",
               help="One engine process per GPU (--out-dir): the tower read once, one decode pool, one "
                    "output directory. With --backend numpy, CPU engine processes. [default: one engine, "
@@ -166,6 +166,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     status non-zero; the rest are encoded.
     """
     from glmvit_cupy import GlmVit, load_geometry
+    from glmvit_cupy.geometry import check_patch_budget, patch_budget
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.pipeline import Decoder
     from glmvit_cupy.preprocess import check_processor, processor_config
@@ -195,7 +196,13 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     directory = resolve_model(model_dir)
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     processor, _ = processor_config(directory, **budget)
-    check_processor(processor, load_geometry(directory))
+    geo = load_geometry(directory)
+    check_processor(processor, geo)
+    if processor.do_resize:  # it makes images of up to max_image_tokens: each must fit one forward call
+        check_patch_budget(geo, processor.max_image_tokens * geo.merge_unit,
+                           patch_budget(geo, max_pixels, processor.max_image_tokens),
+                           f"one image at the processor's max_image_tokens {processor.max_image_tokens} "
+                           "(--max-image-tokens lowers it)")
     decoder = Decoder(min(workers, len(sources)), processor)  # its workers start now, while the tower is read
     group = None
     try:
@@ -320,9 +327,12 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-@main.command()
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy info --model ckpt
+  glmvit-cupy info --model zai-org/GLM-5.3-Flash@v1.0 --max-image-tokens 2000""")
 @click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
-@click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for.")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for. [default: one image at the processor's max_image_tokens]")
 @processor_options
 @user_errors
 def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
@@ -343,7 +353,7 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
                                           max_image_tokens=max_image_tokens)
     check_processor(processor, loc.geometry)
     geo = loc.geometry
-    p_max = patch_budget(geo, max_pixels)
+    p_max = patch_budget(geo, max_pixels, processor.max_image_tokens)
     all_shards = sorted({p.name for p in directory.glob("*.safetensors")})
     read = [s.name for s in loc.shards]
     skipped = len(all_shards) - len(read)
@@ -376,7 +386,11 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
         click.echo(f"{key:<{width}}  {value}")
 
 
-@main.command()
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy extract zai-org/GLM-5.3-Flash glm53-vision
+  glmvit-cupy extract /data/GLM-5.3-Flash glm53-vision
+  glmvit-cupy encode photo.jpg --model glm53-vision --out emb.npy""")
 @click.argument("source", metavar="SRC")
 @click.argument("destination", metavar="DST", type=click.Path(path_type=Path))
 @user_errors
@@ -396,7 +410,11 @@ def extract(source: str, destination: Path) -> None:
                f"read from {len(done.location.shards)} shard(s) of {done.source}); {', '.join(done.files)}")
 
 
-@main.command("make-checkpoint")
+@main.command("make-checkpoint", epilog="""\b
+Examples:
+  glmvit-cupy make-checkpoint ckpt --geometry tiny
+  glmvit-cupy make-checkpoint ckpt --geometry tiny --seed 3 --force
+  glmvit-cupy make-checkpoint real-ckpt --geometry real""")
 @click.argument("directory", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--geometry", type=click.Choice(["real", "tiny"]), default="real", show_default=True,
               help="real: GLM-5.3-Flash's tower (1.05 GiB); tiny: a 2-block tower for quick runs.")
@@ -419,7 +437,11 @@ def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> N
                f"{loc.tower_bytes / 2**20:.1f} MiB, seed {seed}")
 
 
-@main.command()
+@main.command(epilog="""\b
+Examples:
+  glmvit-cupy bench --model ckpt
+  glmvit-cupy bench --model ckpt --image-size 448 --image-size 1344 --batch 4
+  glmvit-cupy bench --model ckpt --kernels generic --attention naive""")
 @click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
 @click.option("--image-size", "sizes", multiple=True, type=click.IntRange(min=28), default=(448,), show_default=True,
               help="Square image side in pixels; repeat for several cases.")
@@ -449,6 +471,7 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, ke
     from glmvit_cupy.geometry import patch_budget
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
+    from glmvit_cupy.preprocess import processor_config
     from glmvit_cupy.synthetic import photo_like
 
     ok, why = gpu_available()
@@ -462,8 +485,9 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, ke
     cases = [(size, preprocess([photo_like(size, size, seed=i) for i in range(batch)])) for size in sizes]
     geo = load_geometry(directory)
     most = max(len(pixels) for _, (pixels, _) in cases)  # raise the budget only where a case needs it
+    default = patch_budget(geo, None, processor_config(directory)[0].max_image_tokens)
     vit = GlmVit.from_pretrained(directory, backend="cupy", attention=attention, kernels=kernels,
-                                 max_pixels=max(most, patch_budget(geo)) * geo.patch_size ** 2)
+                                 max_pixels=max(most, default) * geo.patch_size ** 2)
     peak = cublas_peak()
     click.echo(f"device {why}; cuBLAS bf16 8192^3 peak {peak.burst:.0f} TFLOP/s in a burst, {peak.sustained:.0f} "
                f"sustained; scratch {vit.scratch_bytes / 2**20:.0f} MiB for p_max {vit.p_max}; "

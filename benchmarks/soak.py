@@ -105,7 +105,7 @@ class Soak:
         paths, pixels, grid = self.templates[t]
         kind = rng.choice(list(self.counts))
         if kind == "encode":
-            hashes, call = self._hashes(self.vit.encode(paths, workers=4)), "encode"
+            hashes, call = self._hashes(self.vit.encode(paths, workers=4, output="both", dtype="float32")), "encode"
         else:
             if kind == "forward_numpy":
                 given = pixels

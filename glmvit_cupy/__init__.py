@@ -20,6 +20,8 @@ Layout, one concern a module:
   model       GlmVit: from_pretrained / forward / encode / encode_iter over either backend
   sources     command-line inputs (files, directories, patterns, lists, tar shards) -> sources
   pipeline    the streaming pipeline: decode workers, packing, in-order results, collection runs
+  workers     the processes the package starts: its own entry point, gone when their parent is
+  batcher     one image a request, from many threads or coroutines, packed into shared forwards
   staging     batches of uint8 canvases to an engine and back: pinned buffers, a copy stream
   shards      the resumable output directory (safetensors shards + jsonl metadata), read_embeddings
   progress    the bar / log lines of a collection run
@@ -27,12 +29,12 @@ Layout, one concern a module:
   ray         many hosts: a Ray Data actor and shard sink (the optional [ray] extra; imported by nothing here)
 """
 
-from .errors import GlmVitError
+from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
 from .geometry import GlmVitGeometry, load_geometry
 from .model import GlmVit, GlmVitOutput
 from .preprocess import preprocess
 from .shards import read_embeddings
 
-__all__ = ["GlmVit", "GlmVitError", "GlmVitGeometry", "GlmVitOutput", "load_geometry", "preprocess",
-           "read_embeddings"]
+__all__ = ["GlmVit", "GlmVitError", "GlmVitGeometry", "GlmVitOutput", "InputError", "Overloaded", "RequestTimeout",
+           "load_geometry", "preprocess", "read_embeddings"]
 __version__ = "0.1.0"

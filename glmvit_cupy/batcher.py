@@ -39,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
+from .geometry import check_patch_budget
 from .model import GlmVitOutput, Timing, check_output_options, library_output
 from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, Decoder, Prepared, item_name
 from .preprocess import canvas_grid, image_input
@@ -52,11 +53,13 @@ DEFAULT_TIMEOUT_S = 60.0
 @dataclasses.dataclass(frozen=True)
 class BatcherStats:
     """A snapshot: requests waiting (decoding or ready), batches on the engine, totals since
-    start, and the engine's busy seconds (CUDA events; 0 on the NumPy backend)."""
+    start (images decoded, whether or not they reached a batch), and the engine's busy seconds
+    (CUDA events; 0 on the NumPy backend)."""
 
     queue_depth: int
     in_flight: int
     requests: int
+    decoded: int
     batches: int
     images: int
     tokens: int
@@ -106,7 +109,7 @@ class Batcher:
         self._in_flight: deque[tuple[Any, list[_Request], float]] = deque()
         self._closed = False
         self._started = time.perf_counter()
-        self._totals = {"requests": 0, "batches": 0, "images": 0, "tokens": 0, "gpu_ms": 0.0}
+        self._totals = {"requests": 0, "decoded": 0, "batches": 0, "images": 0, "tokens": 0, "gpu_ms": 0.0}
         self._threads = [threading.Thread(target=self._dispatch, name="glmvit-batcher-dispatch", daemon=True),
                          threading.Thread(target=self._collect, name="glmvit-batcher-collect", daemon=True)]
         for thread in self._threads:
@@ -144,8 +147,8 @@ class Batcher:
     def stats(self) -> BatcherStats:
         with self._lock:
             t = self._totals
-            return BatcherStats(len(self._order), len(self._in_flight), t["requests"], t["batches"], t["images"],
-                                t["tokens"], t["gpu_ms"] / 1000, time.perf_counter() - self._started)
+            return BatcherStats(len(self._order), len(self._in_flight), t["requests"], t["decoded"], t["batches"],
+                                t["images"], t["tokens"], t["gpu_ms"] / 1000, time.perf_counter() - self._started)
 
     def close(self) -> None:
         """Take no more requests; answer those taken; stop the threads and decode workers."""
@@ -193,6 +196,7 @@ class Batcher:
         if decode.cancelled():
             return
         with self._lock:
+            self._totals["decoded"] += 1
             if request.state != "decoding":
                 return
             if decode.exception() is not None:  # a bug in a decode thread: this request's, not the batcher's
@@ -203,10 +207,10 @@ class Batcher:
                 self._fail(request, InputError(prep.error))
                 return
             request.patches = int(np.prod(canvas_grid(prep.canvas.shape, self.vit.processor)))
-            if request.patches > self.vit.p_max:
-                self._fail(request, InputError(
-                    f"{item_name(request.item)}: {request.patches} patches exceed the engine's p_max of "
-                    f"{self.vit.p_max}: raise max_pixels to at least {request.patches * self.vit.geometry.patch_size ** 2}"))
+            try:
+                check_patch_budget(self.vit.geometry, request.patches, self.vit.p_max, item_name(request.item))
+            except GlmVitError as exc:
+                self._fail(request, InputError(str(exc)))
                 return
             request.prep, request.state, request.ready_at, request.decode_s = prep, "ready", time.perf_counter(), \
                 prep.decode_s

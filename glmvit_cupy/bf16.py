@@ -21,8 +21,12 @@ def bf16_to_f32(bits: Any) -> Any:
 
 
 def f32_to_bf16_bits(x: Any) -> Any:
-    """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns."""
+    """Round float32 to the nearest BF16 (ties to even); returns the uint16 bit patterns. A NaN
+    stays a NaN (made quiet, its sign kept): rounding its payload up would carry it into Inf, or
+    past the sign bit into a zero, and a NaN output would pass as finite."""
     u = x.astype(np.float32, copy=False).view(np.uint32)
+    nan = ((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)).astype(np.uint32)  # 1 where NaN
+    u = (u - (u & np.uint32(0xFFFF)) * nan) | (nan << np.uint32(22))  # a NaN: no low half to round, quiet bit set
     return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
 
 

@@ -9,7 +9,8 @@ writes the bare names (`blocks.0.attn.qkv.weight`). So binding is two steps:
    that hold tower tensors (never a byte of tensor data), probes the prefix, takes the
    census (depth x 14 + 11 names, missing and unexpected ones listed) and checks every
    tower tensor's dtype (BF16 only; anything else is refused by name, never reinterpreted)
-   and its shape flattened to the `[rows, cols]` the engines read it as.
+   and its header shape, exactly one of those `weights.stored_shapes` lists (read flattened
+   to the `[rows, cols]` the engines take).
 2. `read_tower` preads exactly those byte ranges into one host arena of raw 16-bit patterns.
 
 The header is parsed here rather than through the `safetensors` package: its numpy backend
@@ -38,7 +39,7 @@ import numpy as np
 
 from .errors import GlmVitError, InternalError
 from .geometry import GlmVitGeometry, load_geometry
-from .weights import FUSED_PAIRS, tower_shapes
+from .weights import FUSED_PAIRS, stored_shapes, tower_shapes
 
 # Probed in this order; "" is the bare layout of a saved Glm5NextVisionModel, last because
 # only a vision-only file has a top-level patch_embed.
@@ -340,7 +341,7 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
     geo = load_geometry(directory)
     names = tensor_names(directory)
     prefix = probe_prefix(names, directory)
-    expected = tower_shapes(geo)
+    expected, stored = tower_shapes(geo), stored_shapes(geo)
     _census(names, prefix, expected, directory)
 
     headers: dict[Path, tuple[dict[str, HeaderEntry], int, int]] = {}
@@ -359,16 +360,13 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
                 f"{shard}: {name} is {meta.dtype}, expected BF16: the GLM-5.3 tower is BF16 throughout "
                 "(347/347 tensors in the released exports); a quantised tower needs a dequant path, "
                 "not a reinterpretation of its bytes")
-        shape = list(meta.shape)
-        rows = shape[0] if shape else 0
-        cols = math.prod(shape[1:])
-        if (len(want) == 1 and shape != list(want)) or (len(want) == 2 and (rows, cols) != want):
+        if meta.shape not in stored[short]:
             raise GlmVitError(
-                f"{shard}: {name} has shape {shape}, which flattens to [{rows}, {cols}]; config.json's "
-                f"geometry expects {list(want)}")
+                f"{shard}: {name} has shape {list(meta.shape)}; config.json's geometry expects "
+                f"{' or '.join(str(list(s)) for s in stored[short])}")
         # The header's offsets agree with its shape and lie inside the file (_read_header).
         nbytes = meta.end - meta.begin
-        entries[short] = TensorEntry(shard, data_start + meta.begin, nbytes, want, tuple(shape))
+        entries[short] = TensorEntry(shard, data_start + meta.begin, nbytes, want, meta.shape)
     return TowerLocation(geo, prefix, entries)
 
 
@@ -452,11 +450,11 @@ def read_tower(location: TowerLocation, allocate: Callable[[int], np.ndarray] = 
             os.close(fd)
     bad = [(name, results[name][1]) for name in location.entries if results[name][1][0]]
     if bad:
-        (name, (count, first)), rest = bad[0], [n for n, _ in bad[1:]]
+        (name, (count, first)), rest = bad[0], [location.name(n) for n, _ in bad[1:]]
         more = (f"; so do {len(rest)} more tensor(s): {', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''}"
                 if rest else "")
         raise GlmVitError(
-            f"{location.entries[name].shard}: {location.prefix}.{name} holds {count} NaN/Inf value(s) "
+            f"{location.entries[name].shard}: {location.name(name)} holds {count} NaN/Inf value(s) "
             f"(the first at flat index {first}){more}: a tower with a non-finite weight makes every "
             "embedding NaN, so it is refused")
     return TowerWeights(location, arena, offsets, sum(n for n, _ in results.values()))

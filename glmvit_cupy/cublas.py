@@ -73,7 +73,8 @@ class Cublas:
     @staticmethod
     def _check(status: int, what: str) -> None:
         if status != 0:
-            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+            raise GlmVitError(f"the GPU failed in {what}: cuBLAS status {status} (after a CUDA fault every later call "
+                              "fails: restart the process)")
 
     def _call(self, trans_a: int, m: int, n: int, k: int, a: cupy.ndarray, lda: int, b: cupy.ndarray,
               ldb: int, c: cupy.ndarray, ldc: int, accumulate: bool, trans_b: int = _OP_N) -> None:

@@ -40,8 +40,8 @@ import numpy as np
 
 from .checkpoint import TowerLocation, TowerWeights, locate_tower, read_tower
 from .errors import GlmVitError, InternalError
-from .geometry import patch_budget
-from .layout import merged_offsets
+from .geometry import check_patch_budget, patch_budget
+from .layout import merged_offsets, num_patches
 from .model import KERNELS
 from .preprocess import ProcessorConfig, check_processor
 from .pipeline import StreamTurn
@@ -288,7 +288,7 @@ class EngineGroup:
         self.geometry = location.geometry
         check_processor(processor, self.geometry)
         self.processor, self.backend, self.devices, self.dtype = processor, backend, devices, dtype
-        self.p_max = patch_budget(self.geometry, max_pixels)
+        self.p_max = patch_budget(self.geometry, max_pixels, processor.max_image_tokens)
         self.depth, self.engines = DEPTH * len(devices), len(devices)
         self.backend_note = ""
         self._stream = StreamTurn(threading.Lock(), "a stream of the same engine group")
@@ -343,10 +343,7 @@ class EngineGroup:
         engine = min(self._engines, key=lambda e: e.in_flight)
         slot = engine.sent % DEPTH
         buf = np.frombuffer(engine.slots.map, np.uint8, self.layout.slot_bytes, self.layout.canvas_at(slot))
-        if sum(c.size for c in canvases) > self.layout.canvas_bytes:  # one image over the budget: no slot holds it
-            p, px = int(np.prod(grid_thw, axis=1).sum()), self.processor.patch_size ** 2
-            raise GlmVitError(f"{p} patches exceed the engines' p_max of {self.p_max} (max_pixels {self.p_max * px}); "
-                              f"raise it to at least {p * px} with --max-pixels")
+        check_patch_budget(self.geometry, num_patches(grid_thw), self.p_max, "this batch")  # no slot holds more
         cursor = 0
         for c in canvases:
             buf[cursor:cursor + c.size] = c.reshape(-1)

@@ -36,6 +36,7 @@ from .errors import GlmVitError
 from .faults import check_launches, check_stream, synchronize
 from .flash import HEAD_DIMS as FLASH_HEAD_DIMS
 from .flash import FlashWork, flash_work_list
+from .geometry import check_patch_budget
 from .kernels import QKNORM_HEAD_DIMS, Kernels
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS
@@ -238,11 +239,7 @@ class CupyTower:
     def check_budget(self, grid_thw: np.ndarray) -> int:
         """The patch count of a grid, refused past this engine's p_max."""
         p = num_patches(grid_thw)
-        if p > self.p_max:
-            px = self.geo.patch_size ** 2
-            raise GlmVitError(
-                f"{p} patches exceed this engine's p_max of {self.p_max} (max_pixels {self.p_max * px}); "
-                f"raise it to at least {p * px} with --max-pixels or GlmVit.from_pretrained(max_pixels=...)")
+        check_patch_budget(self.geo, p, self.p_max, "this forward call")
         return p
 
     def grid_tables(self, grid_thw: np.ndarray) -> GridTables:

@@ -41,7 +41,8 @@ REAL: dict[str, Any] = dict(
 
 CONFIG_FILE = "config.json"
 
-# The preprocessor's token budget (merged tokens per image); it also sizes the GPU scratch.
+# The processor's default token budget (merged tokens per image); a preprocessor_config.json or an
+# option overrides it, and the default patch budget (patch_budget) follows the processor in force.
 MIN_IMAGE_TOKENS = 16
 MAX_IMAGE_TOKENS = 8000
 
@@ -124,11 +125,12 @@ class GlmVitGeometry:
 
 
 
-def patch_budget(geo: GlmVitGeometry, max_pixels: int | None = None) -> int:
+def patch_budget(geo: GlmVitGeometry, max_pixels: int | None = None,
+                 max_image_tokens: int = MAX_IMAGE_TOKENS) -> int:
     """Patch rows one forward call of an engine may carry (p_max; every GPU buffer is sized
-    for it) for a pixel budget of all images together. Default: the largest image the
-    preprocessor admits (MAX_IMAGE_TOKENS merged tokens)."""
-    pixels = max_pixels if max_pixels is not None else MAX_IMAGE_TOKENS * geo.merge_unit * geo.patch_size ** 2
+    for it) for a pixel budget of all images together. Default: one image of the largest size
+    the processor in force makes (its max_image_tokens merged tokens)."""
+    pixels = max_pixels if max_pixels is not None else max_image_tokens * geo.merge_unit * geo.patch_size ** 2
     patches = pixels // geo.patch_size ** 2
     p_max = patches - patches % geo.merge_unit
     if p_max < geo.merge_unit:
@@ -136,6 +138,16 @@ def patch_budget(geo: GlmVitGeometry, max_pixels: int | None = None) -> int:
             f"max_pixels {max_pixels} admits {p_max} patches of {geo.patch_size}x{geo.patch_size}; "
             f"at least {geo.merge_unit} (one merged token) are needed")
     return p_max
+
+
+def check_patch_budget(geo: GlmVitGeometry, patches: int, p_max: int, what: str) -> None:
+    """The budget refusal, the same for every engine and stager: `what` (an image, a batch) needs
+    `patches` patch rows and one forward call carries at most p_max."""
+    if patches > p_max:
+        px = geo.patch_size ** 2
+        raise GlmVitError(
+            f"{what}: {patches} patches exceed p_max {p_max} (max_pixels {p_max * px}); raise max_pixels to at "
+            f"least {patches * px} (--max-pixels, or GlmVit.from_pretrained(max_pixels=...))")
 
 
 def _int_field(cfg: dict[str, Any], name: str, where: str) -> Any:

@@ -200,7 +200,7 @@ class GlmVit:
         """Bind the tower in `path`: a checkpoint directory, or a Hugging Face repo id
         (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels`
         is the pixel budget of one forward call (all images together) and sizes the GPU
-        scratch; `attention` ("flash" or "naive", the materialised-score cross-check; default:
+        scratch (default: one image at the processor's max_image_tokens); `attention` ("flash" or "naive", the materialised-score cross-check; default:
         the engine's choice for the head_dim), `device` (a CUDA device index; default: the
         current one) and `kernels` (one of KERNELS) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
         leaves one alone) override the checkpoint's preprocessor_config.json."""
@@ -228,9 +228,9 @@ class GlmVit:
         _check_type("weights", weights, (TowerWeights,), "TowerWeights (checkpoint.bind_checkpoint)")
         _check_options(max_pixels, attention, device, kernels)
         backend, auto_note = _choose_backend(backend)
-        p_max = patch_budget(weights.location.geometry, max_pixels)
         if processor is None:
             processor, _ = processor_config(weights.location.shards[0].parent)
+        p_max = patch_budget(weights.location.geometry, max_pixels, processor.max_image_tokens)
         fingerprint = weights.fingerprint()
         if backend == "numpy":
             from .reference import NumpyTower

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .errors import GlmVitError
+from .geometry import check_patch_budget
 from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
@@ -82,14 +83,29 @@ def _prepare(item: Any, processor: ProcessorConfig) -> Prepared:
 
 def _decode_worker(conn: Any) -> None:
     """A decode worker process (workers.Child): (input, processor) in, Prepared out, until the
-    parent closes the connection."""
+    parent closes the connection. The canvas travels as its raw bytes after the rest (a pickled
+    array costs two more copies of it: a third of a lone request's time)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     while True:
         try:
             item, processor = conn.recv()
         except EOFError:
             return
-        conn.send(prepare(item, processor))
+        prepared = prepare(item, processor)
+        canvas_ = prepared.canvas
+        prepared.canvas = None
+        conn.send((prepared, None if canvas_ is None else canvas_.shape))
+        if canvas_ is not None:
+            conn.send_bytes(memoryview(np.ascontiguousarray(canvas_)).cast("B"))
+
+
+def _receive_prepared(conn: Any) -> Prepared:
+    """What _decode_worker sends, the canvas read straight into its array."""
+    prepared, shape = conn.recv()
+    if shape is not None:
+        prepared.canvas = np.empty(shape, dtype=np.uint8)
+        conn.recv_bytes_into(prepared.canvas.reshape(-1))  # flat: a 3-D view's len() is its height
+    return prepared
 
 
 def item_name(item: Any) -> str:
@@ -122,19 +138,30 @@ class DecodePool:
                 future, item, processor = task
                 if not future.set_running_or_notify_cancel():
                     continue
-                for attempt in range(2):
-                    try:
-                        child.conn.send((item, processor))
-                        result = child.conn.recv()
-                        break
-                    except (EOFError, OSError):  # the worker died under this input
-                        child.close(0)
-                        child = Child(_decode_worker, (), "glmvit-cupy decode")
-                        result = Prepared(None, f"{item_name(item)}: its decode worker process died twice (killed, or "
-                                                "out of memory while decoding it)")
+                try:
+                    result, child = self._decode(child, item, processor)
+                except Exception as exc:  # a bug, not the input: this input's error; the worker is made anew
+                    future.set_exception(exc)
+                    child.close(0)
+                    child = Child(_decode_worker, (), "glmvit-cupy decode")
+                    continue
                 future.set_result(result)
         finally:
             child.close()
+
+    @staticmethod
+    def _decode(child: Child, item: Any, processor: ProcessorConfig) -> tuple[Prepared, Child]:
+        """One input on `child`, and once more on a new worker if that one dies under it; the
+        result and the worker to go on with."""
+        for _ in range(2):
+            try:
+                child.conn.send((item, processor))
+                return _receive_prepared(child.conn), child
+            except (EOFError, OSError):  # the worker died under this input
+                child.close(0)
+                child = Child(_decode_worker, (), "glmvit-cupy decode")
+        return Prepared(None, f"{item_name(item)}: its decode worker process died twice (killed, or out of memory "
+                              "while decoding it)"), child
 
     def close(self) -> None:
         """Cancel what no worker has taken, then stop the workers once their inputs are done."""
@@ -306,9 +333,8 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
         for i, (slot, prep) in enumerate(members):
             a, b = int(pending.offsets[i]), int(pending.offsets[i + 1])
             if not ok[a:b].all():
-                name = getattr(slot[0], "name", f"image {i}")
-                slot[1] = Encoded(slot[0], None, None, f"{name}: the embedding has non-finite values (NaN or Inf)",
-                                  prep.nbytes, prep.sha256)
+                slot[1] = Encoded(slot[0], None, None, f"{item_name(slot[0])}: the embedding has non-finite values "
+                                  "(NaN or Inf)", prep.nbytes, prep.sha256)
                 continue
             stats.tokens += b - a
             slot[1] = Encoded(slot[0], {name: arr[a:b] for name, arr in arrays.items()}, pending.grid_thw[i],
@@ -323,10 +349,15 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
         for item, prep in zip(mine, decoder.map(theirs, processor)):
             slot = [item, None]
             order.append(slot)
+            if prep.error is None:
+                n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
+                try:  # an image no forward call holds is its own failure, not the run's
+                    check_patch_budget(vit.geometry, n, vit.p_max, item_name(item))
+                except GlmVitError as exc:
+                    prep = Prepared(None, str(exc), prep.nbytes, prep.sha256)
             if prep.error is not None:
                 slot[1] = Encoded(item, None, None, prep.error, prep.nbytes, prep.sha256)
             else:
-                n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
                 if batch and patches + n > vit.p_max:
                     submit()
                     while len(in_flight) >= stager.depth:  # one engine: k+1 uploads while k computes

@@ -295,9 +295,17 @@ def open_image(image: str | Path | EncodedImage) -> Image.Image:
     except FileNotFoundError:
         raise GlmVitError(f"{name}: no such image file") from None
     except UnidentifiedImageError:
-        raise GlmVitError(f"{name}: not an image PIL can decode") from None
+        empty = not image.data if isinstance(image, EncodedImage) else _size(Path(image)) == 0
+        raise GlmVitError(f"{name}: {'empty file (0 bytes)' if empty else 'not an image PIL can decode'}") from None
     except (OSError, ValueError, SyntaxError) as exc:
         raise GlmVitError(f"{name}: cannot decode image: {exc}") from None
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 _WARNING_FILTERS = threading.Lock()

@@ -19,8 +19,8 @@ import numpy as np
 
 from .bf16 import bf16_to_f32
 from .checkpoint import TowerWeights
-from .geometry import GlmVitGeometry
-from .layout import block_major_positions, frame_segments, rope_inv_freq
+from .geometry import GlmVitGeometry, check_patch_budget
+from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
 from .weights import GlmVitTensors, structure
 
 LAYERNORM_EPS = 1e-5  # the merger's nn.LayerNorm default, not config's rms_norm_eps
@@ -128,7 +128,7 @@ class NumpyTower:
     def __init__(self, weights: TowerWeights, p_max: int,
                  gemm_inputs: Callable[[np.ndarray], np.ndarray] = _exact) -> None:
         self.geo: GlmVitGeometry = weights.location.geometry
-        self.p_max = p_max  # the packing budget of encode (the NumPy forward needs no scratch)
+        self.p_max = p_max  # the GPU engine's budget, held the same here (the NumPy forward needs no scratch)
         self.w: GlmVitTensors[np.ndarray] = structure(weights, bf16_to_f32)
         self.inv_freq = rope_inv_freq(self.geo)
         self.gemm_inputs = gemm_inputs
@@ -162,6 +162,7 @@ class NumpyTower:
 
     def forward(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         geo = self.geo
+        check_patch_budget(geo, num_patches(grid_thw), self.p_max, "this forward call")
         cos, sin = rope_tables(block_major_positions(grid_thw, geo.spatial_merge_size), self.inv_freq)
         segments = frame_segments(grid_thw)
         x = self.gemm_inputs(pixel_values.astype(np.float32)) @ self.w.patch_embed_w.T + self.w.patch_embed_b  # step 1

@@ -352,7 +352,14 @@ def _shards_of(directories: Directories) -> Iterator[tuple[Path, Path, dict, int
     for directory in map(Path, directories):
         if not directory.is_dir():
             raise GlmVitError(f"{directory}: not a directory")
-        for _, shard, jsonl in complete_shards(directory):
+        found = complete_shards(directory)
+        if not found and not (directory / FAILURES).is_file():  # a run whose every image failed has failures
+            nested = any(p.is_dir() and complete_shards(p) for p in directory.iterdir())
+            raise GlmVitError(f"{directory}: holds no finished shard (shard-NNNNN.safetensors and its .jsonl) "
+                              f"and no {FAILURES}" + ("; its subdirectories do: a Ray ShardSink's output is read "
+                                                      "as read_embeddings(glmvit_cupy.ray.parts(...))" if nested else
+                                                      ": not the --out-dir of a run that finished a shard"))
+        for _, shard, jsonl in found:
             header, data_start = read_header(shard)
             theirs = header.get("__metadata__", {})
             if first is None:
@@ -373,7 +380,9 @@ def read_records(directories: Directories) -> Iterator[dict]:
 def read_embeddings(directories: Directories) -> Iterator[tuple[dict, dict[str, np.ndarray]]]:
     """Every image of one or more finished output directories, in directory, shard and row
     order: (its metadata line, {output name: float32 [tokens, out_hidden], "grid_thw": int64 [3]}).
-    Shards are memory-mapped, so a collection of any size is read one image at a time."""
+    Shards are memory-mapped, so a collection of any size is read one image at a time. A
+    directory with no finished shard (and no failures.jsonl: a run whose every image failed) is
+    refused in one line, not read as an empty collection."""
     for shard, jsonl, header, data_start in _shards_of(directories):
         raw = np.memmap(shard, dtype=np.uint8, mode="r")
         names = [n for n in header if n not in ("__metadata__", "grid_thw", "offsets")]

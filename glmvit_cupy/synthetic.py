@@ -24,7 +24,7 @@ from .bf16 import f32_to_bf16_bits
 from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .errors import GlmVitError
 from .geometry import CONFIG_FILE, REAL, GlmVitGeometry, vision_config
-from .weights import BLOCK_TENSORS, tower_shapes
+from .weights import BLOCK_TENSORS, stored_shapes, tower_shapes
 from .writer import ITEMSIZE, atomic_directory, write_safetensors
 
 GEOMETRIES = {
@@ -42,16 +42,6 @@ LAYOUTS = {
 }
 _NORMS = ("norm1.weight", "norm2.weight", "q_norm.weight", "k_norm.weight",
           "post_layernorm.weight", "post_projection_norm.weight")
-
-
-def _stored_shape(name: str, read_shape: tuple[int, ...], geo: GlmVitGeometry) -> list[int]:
-    """The on-disk shape: the two convolutions keep their kernel axes."""
-    if name == "patch_embed.proj.weight":
-        return [geo.hidden_size, geo.in_channels, geo.temporal_patch_size, geo.patch_size, geo.patch_size]
-    if name == "downsample.weight":
-        m = geo.spatial_merge_size
-        return [geo.out_hidden_size, geo.hidden_size, m, m]
-    return list(read_shape)
 
 
 def _tower_values(geo: GlmVitGeometry, rng: np.random.Generator, shapes: dict) -> Iterator[bytes]:
@@ -106,7 +96,8 @@ def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, dec
     rng = np.random.default_rng(seed)
 
     shapes = tower_shapes(geo)
-    tower_specs = [(f"{prefix}.{n}", "BF16", _stored_shape(n, s, geo)) for n, s in shapes.items()]
+    stored = stored_shapes(geo)
+    tower_specs = [(f"{prefix}.{n}", "BF16", list(stored[n][0])) for n in shapes]
     tower_data = _tower_values(geo, rng, shapes)
     if decoy_bytes is None:
         decoy_bytes = 32 << 20 if geo.hidden_size >= 1024 else 1 << 20

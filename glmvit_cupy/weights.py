@@ -131,6 +131,20 @@ def tower_shapes(geo: GlmVitGeometry) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def stored_shapes(geo: GlmVitGeometry) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Every tower tensor's short name -> the header shapes a checkpoint may store it in, the
+    first as transformers saves it. Exactly these: a shape with the right element count but
+    other axes (a transposed weight) is another layout and refused. The two convolutions keep
+    their kernel axes; the patch embedding's flattened [h, patch_dim] form is the one alias,
+    the same bytes in the same order (Conv3d's (c, t, py, px) is the patch rows' order)."""
+    h, m = geo.hidden_size, geo.spatial_merge_size
+    shapes = {name: (shape,) for name, shape in tower_shapes(geo).items()}
+    shapes["patch_embed.proj.weight"] = ((h, geo.in_channels, geo.temporal_patch_size, geo.patch_size, geo.patch_size),
+                                         (h, geo.patch_dim))
+    shapes["downsample.weight"] = ((geo.out_hidden_size, h, m, m),)
+    return shapes
+
+
 def structure(weights: TowerWeights, convert: Callable[[np.ndarray], Any]) -> GlmVitTensors:
     """Arrange the raw tensors as blocks + merger; `convert` turns each raw view into the
     backend's array (widened float32 for NumPy, a device view of the uploaded arena for CuPy)."""

@@ -4,8 +4,8 @@ Decode workers and `--devices` engine processes are started here (`Child`) as a 
 interpreter that imports this package from where the parent did and runs `child_main`, never
 by multiprocessing's spawn or forkserver: those re-import the caller's main script in every
 child, so a script, notebook or server module without a `__main__` guard ran again in each
-worker (a second engine, a second bound port). The child imports only what its target's module needs, receives (target, args) on a
-socket pair, and calls `target(*args, connection)`.
+worker (a second engine, a second bound port). The child imports only the package, receives
+(target, args) on a socket pair, and calls `target(*args, connection)`.
 
 A child exits within half a second of its parent, however the parent died (SIGKILL
 included): a thread in the child watches its parent pid, since a killed parent closes no
@@ -21,17 +21,26 @@ import pickle
 import socket
 import subprocess
 import sys
-import threading
-import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
 PARENT_POLL_S = 0.25
-# The child's sys.path starts with the directory this package was imported from (not the
-# caller's working directory), so parent and child run the same code.
-_ROOT = str(Path(__file__).resolve().parent.parent)
-_BOOT = f"import sys; sys.path[0] = {_ROOT!r}; from glmvit_cupy.workers import child_main; child_main()"
+# What a child runs, as `python -c`. The watch on the parent starts first, before the package
+# is imported (seconds on a loaded machine, when the parent may already be gone). sys.path
+# starts with the directory this package was imported from (not the caller's working
+# directory), so parent and child run the same code.
+_BOOT = f"""
+import os, sys, threading, time
+def watch(parent=int(sys.argv[2])):
+    while os.getppid() == parent:
+        time.sleep({PARENT_POLL_S})
+    os._exit(1)  # the parent is gone: nothing this process does has a reader any more
+threading.Thread(target=watch, daemon=True, name="glmvit-parent-watch").start()
+sys.path[0] = {str(Path(__file__).resolve().parent.parent)!r}
+from glmvit_cupy.workers import child_main
+child_main()
+"""
 
 
 def usable_cpus() -> int:
@@ -100,17 +109,9 @@ class Child:
         self.join()
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)
-    os._exit(1)  # the parent is gone: nothing this process does has a reader any more
-
-
 def child_main() -> None:
-    """A Child's process: argv is (socket fd, parent pid)."""
-    fd, parent = int(sys.argv[1]), int(sys.argv[2])
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="glmvit-parent-watch").start()
-    conn = Connection(fd)
+    """A Child's process (after _BOOT): argv is (socket fd, parent pid)."""
+    conn = Connection(int(sys.argv[1]))
     try:
         target, args = pickle.loads(conn.recv_bytes())
     except EOFError:

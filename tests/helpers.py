@@ -1,8 +1,10 @@
-"""Test helpers: tolerances, the kernel sets, and the transformers oracle (test-only)."""
+"""Test helpers: tolerances, the kernel sets, the transformers oracle (test-only), and the
+processes a test started."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +154,20 @@ def bomb_png(path: Path, width: int, height: int) -> Path:
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
                      + chunk(b"IEND", b""))
     return path
+
+
+def live_processes():
+    """(pid, its /proc/PID/stat fields after the command name, its command line) of every live
+    (not zombie) process: fields[1] is the parent pid, fields[3] the session id."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z":
+            yield int(entry), fields, cmdline

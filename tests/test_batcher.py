@@ -17,7 +17,9 @@ from PIL import Image
 
 from glmvit_cupy import GlmVit
 from glmvit_cupy.errors import GlmVitError, InputError, Overloaded, RequestTimeout
+from glmvit_cupy.preprocess import EncodedImage
 from glmvit_cupy.synthetic import photo_like
+from helpers import live_processes
 
 SIZES = [(28, 28), (56, 84), (112, 56), (70, 140), (28, 224), (98, 98), (140, 42), (56, 56)]
 
@@ -111,8 +113,10 @@ def test_a_bad_image_fails_alone(tiny_ckpt, images, alone):
     assert close_to(outcomes[0].pooler_output, alone[0].pooler_output)
     assert close_to(outcomes[4].pooler_output, alone[1].pooler_output)
     assert isinstance(outcomes[1], InputError) and "not an image PIL can decode" in str(outcomes[1])
-    assert isinstance(outcomes[2], InputError)
-    assert isinstance(outcomes[3], InputError) and "p_max" in str(outcomes[3])
+    assert isinstance(outcomes[2], InputError) and "empty file (0 bytes)" in str(outcomes[2])
+    assert isinstance(outcomes[3], InputError) and str(outcomes[3]) == (
+        "a ndarray: 14400 patches exceed p_max 160 (max_pixels 31360); raise max_pixels to at least 2822400 "
+        "(--max-pixels, or GlmVit.from_pretrained(max_pixels=...))")
 
 
 def test_overload_is_refused_at_once_and_nothing_is_lost(vit, images):
@@ -156,7 +160,7 @@ def test_cancelled_requests_cost_nothing(vit, images):
         last = batcher.submit(images[7]).result(timeout=120)
         stats = batcher.stats()
     assert last.pooler_output is not None
-    assert stats.images == 2 and stats.queue_depth == 0  # the six never reached the engine
+    assert stats.decoded == 2 and stats.images == 2 and stats.queue_depth == 0  # the six: never decoded
 
 
 def test_a_cancelled_coroutine_cancels_its_request(vit, images):
@@ -174,18 +178,53 @@ def test_a_cancelled_coroutine_cancels_its_request(vit, images):
     assert asyncio.run(main()).images == 1
 
 
-def test_a_killed_decode_worker_is_replaced(vit, images, alone):
-    """SIGKILL of a decode worker (the OOM killer): the batcher keeps answering, the worker's
-    input is retried on its replacement, and the GlmVit stays usable."""
+class Poison(EncodedImage):
+    """An input whose unpickling in a decode worker kills that worker (os._exit, as the OOM
+    killer would mid-decode) while fewer than `deaths` files are in `marker` (one more a death),
+    then is the image `data`."""
+
+    def __new__(cls, marker, deaths: int, data: bytes):
+        self = super().__new__(cls)
+        object.__setattr__(self, "args", (str(marker), deaths, data))
+        return self
+
+    def __init__(self, marker, deaths: int, data: bytes) -> None:
+        super().__init__("poison", data)
+
+    def __reduce__(self):
+        marker, deaths, data = self.args
+        code = (f"(lambda os, d: os._exit(9) if len(os.listdir(d)) < {deaths} and not "
+                f"open(os.path.join(d, str(len(os.listdir(d)))), 'w').close() else "
+                f"__import__('glmvit_cupy.preprocess', fromlist=['x']).EncodedImage('poison', {data!r}))"
+                f"(__import__('os'), {marker!r})")
+        return eval, (code,)
+
+
+def test_a_worker_that_dies_under_an_input_is_replaced_and_the_input_retried_once(vit, images, alone, tmp_path):
+    """A worker dying under an input (killed mid-decode) is replaced and that input retried on the
+    new one: once dying, it succeeds; dying twice, it fails alone. The requests around it, the
+    batcher and the GlmVit go on; so after an idle worker is SIGKILLed from outside."""
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    once.mkdir()
+    twice.mkdir()
+    others = set(_decode_children(os.getpid()))  # pools of earlier tests' GlmVits, still open
     with vit.batcher(workers=1) as batcher:
-        batcher.submit(images[0]).result(timeout=60)
-        worker = _decode_children(os.getpid())
+        futures = [batcher.submit(png(images[0]), dtype="float32"), batcher.submit(Poison(once, 1, png(images[1]))),
+                   batcher.submit(png(images[2]), dtype="float32"), batcher.submit(Poison(twice, 2, png(images[3]))),
+                   batcher.submit(png(images[4]), dtype="float32")]
+        outcomes = [f.exception(timeout=120) or f.result() for f in futures]
+        worker = [pid for pid in _decode_children(os.getpid()) if pid not in others]
         assert len(worker) == 1
         os.kill(worker[0], signal.SIGKILL)
-        results = [batcher.submit(images[i], dtype="float32") for i in range(4)]
-        outs = [f.result(timeout=120) for f in results]
-        assert _decode_children(os.getpid()) and _decode_children(os.getpid()) != worker
-    assert all(close_to(o.pooler_output, alone[i].pooler_output) for i, o in enumerate(outs))
+        after = batcher.submit(images[5], dtype="float32").result(timeout=120)
+        replaced = [pid for pid in _decode_children(os.getpid()) if pid not in others]
+        assert replaced and replaced != worker
+    assert len(os.listdir(once)) == 1 and len(os.listdir(twice)) == 2  # the deaths happened
+    for i in (0, 2, 4):
+        assert close_to(outcomes[i].pooler_output, alone[i].pooler_output), i
+    assert outcomes[1].pooler_output is not None
+    assert isinstance(outcomes[3], InputError) and "died twice" in str(outcomes[3])
+    assert close_to(after.pooler_output, alone[5].pooler_output)
 
 
 def test_closed_batcher_refuses_in_one_line(vit, images):
@@ -199,17 +238,5 @@ def test_closed_batcher_refuses_in_one_line(vit, images):
 
 def _decode_children(parent: int) -> list[int]:
     """Live decode worker processes of `parent` (workers.Child runs them under `python -c`)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if int(fields[1]) == parent and fields[0] != "Z" and b"child_main" in cmdline:
-            found.append(int(entry))
-    return sorted(found)
+    return sorted(pid for pid, fields, cmdline in live_processes()
+                  if int(fields[1]) == parent and b"child_main" in cmdline)

@@ -135,13 +135,38 @@ def test_non_bf16_tower_tensor_is_refused_by_name(tmp_path, dtype, itemsize):
         locate_tower(ckpt)
 
 
-def test_wrong_shape_names_found_and_expected(tmp_path):
+@pytest.mark.parametrize("target, shape", [
+    ("visual.patch_embed.proj.weight", [128, 3, 2, 16, 16]),  # another element count
+    ("visual.blocks.0.mlp.down_proj.weight", [256, 128]),  # transposed: the right count, the wrong axes
+    ("visual.blocks.1.mlp.gate_proj.weight", [256, 8, 16]),  # a 2-D weight stored 3-D
+    ("visual.patch_embed.proj.weight", [128, 3, 2, 196]),  # neither the conv's axes nor flat
+    ("visual.downsample.weight", [256, 512]),  # the Conv2d weight flattened: not an alias
+    ("visual.blocks.0.norm1.weight", [1, 128]),
+])
+def test_a_shape_other_than_the_stored_one_is_refused(tmp_path, target, shape):
+    """Each tensor's header shape must be the one transformers stores (or the patch embedding's
+    flattened alias, weights.stored_shapes): the same element count in other axes is refused."""
     ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, layout="vision-only")
-    rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, [128, 3, 2, 16, 16], bytes(128 * 1536 * 2))
-            if n == "visual.patch_embed.proj.weight" else (n, d, s, b))
-    with pytest.raises(GlmVitError, match=r"patch_embed\.proj\.weight has shape \[128, 3, 2, 16, 16\], "
-                                          r"which flattens to \[128, 1536\]; .* expects \[128, 1176\]"):
+    rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, shape, bytes(math.prod(shape) * 2))
+            if n == target else (n, d, s, b))
+    want = {"visual.patch_embed.proj.weight": "[128, 3, 2, 14, 14] or [128, 1176]",
+            "visual.blocks.0.mlp.down_proj.weight": "[128, 256]", "visual.blocks.1.mlp.gate_proj.weight": "[256, 128]",
+            "visual.downsample.weight": "[256, 128, 2, 2]", "visual.blocks.0.norm1.weight": "[128]"}[target]
+    with pytest.raises(GlmVitError) as info:
         locate_tower(ckpt)
+    assert str(info.value) == (f"{ckpt / 'model.safetensors'}: {target} has shape {shape}; config.json's geometry "
+                               f"expects {want}")
+
+
+def test_the_flattened_patch_embedding_is_the_same_tower(tmp_path):
+    """The one alias: the patch embedding's [h, C x T x p x p] form binds to the same bits."""
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, layout="vision-only")
+    conv = bind_checkpoint(ckpt)
+    rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, [128, 1176], b)
+            if n == "visual.patch_embed.proj.weight" else (n, d, s, b))
+    flat = bind_checkpoint(ckpt)
+    assert np.array_equal(flat.arena, conv.arena)
+    assert flat.location.entries["patch_embed.proj.weight"].stored_shape == (128, 1176)
 
 
 def test_truncated_and_corrupt_shards(tmp_path):
@@ -210,5 +235,23 @@ def test_a_non_finite_weight_is_refused_by_tensor_name(tmp_path, pattern):
     poke("patch_embed.proj.weight", 999, pattern)
     with pytest.raises(GlmVitError, match=r"model-00002-of-00003.safetensors: model\.visual\.blocks\.1\.mlp\.down_proj"
                                           r"\.weight holds 1 NaN/Inf value\(s\) \(the first at flat index 12345\); "
-                                          r"so do 1 more tensor\(s\): patch_embed\.proj\.weight"):
+                                          r"so do 1 more tensor\(s\): model\.visual\.patch_embed\.proj\.weight:"):
         bind_checkpoint(ckpt)
+
+
+def test_a_non_finite_weight_of_a_bare_layout_is_named_as_the_checkpoint_names_it(tmp_path, tiny_ckpt):
+    """Glm5NextVisionModel.save_pretrained's bare names (what extract writes) carry no prefix:
+    the tensor is named `blocks.0.norm1.weight`, not `.blocks.0.norm1.weight`."""
+    from glmvit_cupy.extract import extract_tower
+
+    bare = extract_tower(tiny_ckpt, tmp_path / "bare").destination
+    loc = locate_tower(bare)
+    assert loc.prefix == ""
+    entry = loc.entries["blocks.0.norm1.weight"]
+    with open(entry.shard, "r+b") as f:
+        f.seek(entry.offset + 2 * 3)
+        f.write(struct.pack("<H", 0x7FC0))
+    with pytest.raises(GlmVitError) as info:
+        bind_checkpoint(bare)
+    assert str(info.value).startswith(f"{bare / 'model.safetensors'}: blocks.0.norm1.weight holds 1 NaN/Inf value(s) "
+                                      "(the first at flat index 3): ")

@@ -151,10 +151,38 @@ def test_info_reads_headers_only(tiny_ckpt):
     assert "1 other shard(s) not opened" in proc.stdout and "p_max" in proc.stdout
 
 
+# Each command's --help: the opening of its description and one of its examples.
+HELP = {
+    "encode": ("Encode images (INPUTS: files, directories, quoted glob patterns, .tar shards) into embeddings.",
+               "glmvit-cupy encode photo.jpg --model ckpt --out emb.npy"),
+    "info": ("Show the tower bound from a checkpoint (headers only; no tensor data is read)",
+             "glmvit-cupy info --model ckpt"),
+    "extract": ("Write the tower of SRC as a vision-only checkpoint in the new directory DST.",
+                "glmvit-cupy extract zai-org/GLM-5.3-Flash glm53-vision"),
+    "make-checkpoint": ("Write a checkpoint in the released layout with random weights into DIRECTORY.",
+                        "glmvit-cupy make-checkpoint ckpt --geometry tiny"),
+    "bench": ("Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.",
+              "glmvit-cupy bench --model ckpt"),
+}
+
+
 def test_help_explains_each_command():
-    for command in ("encode", "info", "extract", "make-checkpoint"):
+    """The command's own --help, for every command: what it does, examples, and a line of help
+    for each option (whitespace aside: click rewraps paragraphs to the terminal)."""
+    import click
+
+    import cli
+
+    top = run("--help")
+    assert top.returncode == 0 and "Run the GLM-5.3-Flash vision tower without a framework." in top.stdout
+    assert sorted(cli.main.commands) == sorted(HELP)
+    for command, (description, example) in HELP.items():
         proc = run(command, "--help")
-        assert proc.returncode == 0 and "Usage:" in proc.stdout
+        text = " ".join(proc.stdout.split())
+        assert proc.returncode == 0 and description in text and f"Examples: {example}" in text, (command, text)
+        for option in cli.main.commands[command].params:
+            if isinstance(option, click.Option):
+                assert option.help and option.opts[0] in text, (command, option.name)
 
 
 def test_a_decompression_bomb_is_one_line(tmp_path, tiny_ckpt):

@@ -28,7 +28,8 @@ def leftovers() -> list[str]:
 
 def encode_args(images: Path, out: Path, model: Path, *extra: str) -> list[str]:
     return ["encode", str(images), "--model", str(model), "--out-dir", str(out), "--backend", "numpy",
-            "--workers", "1", "--shard-size", "5", "--max-pixels", str(300 * 196), "--quiet", *extra]
+            "--workers", "1", "--shard-size", "5", "--max-pixels", str(300 * 196),
+            "--max-image-tokens", "75", "--quiet", *extra]  # 300 patches: several batches of these small images
 
 
 def test_two_engines_write_what_one_writes(tmp_path, tiny_ckpt):
@@ -111,3 +112,21 @@ def test_the_main_process_imports_neither_cupy_nor_ray():
             "print(sorted(m for m in ('cupy', 'ray') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_a_batch_over_the_engines_budget_is_refused_and_the_group_goes_on(tiny_ckpt):
+    """EngineGroup.submit holds its engines' p_max (no slot holds more): over it, the one budget
+    refusal (geometry.check_patch_budget) before anything is written; the next batch runs."""
+    processor, _ = processor_config(tiny_ckpt)
+    group = EngineGroup(tiny_ckpt, [0], "numpy", 64 * 196, processor, ("pooler_output",), "float32")
+    try:
+        big = np.zeros((280, 280, 3), np.uint8)  # 400 patches
+        with pytest.raises(GlmVitError) as info:
+            group.submit([big], np.array([[1, 20, 20]]), ("pooler_output",), "float32")
+        assert str(info.value) == ("this batch: 400 patches exceed p_max 64 (max_pixels 12544); raise max_pixels to at "
+                                   "least 78400 (--max-pixels, or GlmVit.from_pretrained(max_pixels=...))")
+        small = np.zeros((112, 112, 3), np.uint8)  # 64 patches: exactly the budget
+        done = group.submit([small], np.array([[1, 8, 8]]), ("pooler_output",), "float32")
+        assert done.result()["pooler_output"].shape == (16, 256) and done.finite.all()
+    finally:
+        group.close()

@@ -96,6 +96,7 @@ def test_max_pixels_sizes_p_max():
     assert patch_budget(GlmVitGeometry(**REAL), 5 * 196 + 195) == 4  # whole merged tokens only
     with pytest.raises(GlmVitError, match="max_pixels 500"):
         patch_budget(GlmVitGeometry(**REAL), 500)
+    assert patch_budget(GlmVitGeometry(**REAL), None, 9000) == 36000  # the default: the processor's largest image
 
 
 def test_rope_inv_freq_matches_the_reference_formula():

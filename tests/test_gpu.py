@@ -329,7 +329,7 @@ def test_scratch_is_lazy_sized_and_refuses_too_large_inputs(real_ckpt):
     vit.forward(pixels, grid)
     assert pool.used_bytes() - before - loaded >= vit.scratch_bytes
     big, big_grid = preprocess(photo_like(600, 600))
-    with pytest.raises(GlmVitError, match=r"exceed this engine's p_max of 1024 .* --max-pixels"):
+    with pytest.raises(GlmVitError, match=r"^this forward call: \d+ patches exceed p_max 1024 .*--max-pixels"):
         vit.forward(big, big_grid)
     default = GlmVit.from_pretrained(real_ckpt, backend="cupy")
     assert default.p_max == 32000

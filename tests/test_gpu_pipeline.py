@@ -52,7 +52,8 @@ def test_device_patchify_is_bit_identical_to_the_cpu_path(vit, canvases):
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
 def test_staged_forward_equals_forward_in_every_dtype(real_ckpt, vit, canvases, kernels):
     """Two batches in flight through one stager give, per dtype, the forward's float32 outputs
-    cast once; the second batch's upload overlapped the first's compute. On both kernel sets."""
+    cast once (that they overlap: test_the_stager_overlaps_the_next_upload_with_the_forward). On
+    both kernel sets."""
     import cupy
 
     skip_unless_available(kernels)
@@ -84,6 +85,37 @@ def test_staged_forward_equals_forward_in_every_dtype(real_ckpt, vit, canvases, 
             assert p.gpu_ms > 0
 
 
+def test_the_stager_overlaps_the_next_upload_with_the_forward(real_ckpt, canvases, monkeypatch):
+    """What staging.py's docstring claims, on the device's clock: submit returns while its batch
+    still computes (nothing waits after a submit), and batch k+1's upload is done before batch
+    k's outputs are down (it ran while k computed). Per-launch checks make every launch wait for
+    itself, so this engine is built without them."""
+    import cupy
+
+    from glmvit_cupy.faults import CHECK_LAUNCHES_ENV
+
+    monkeypatch.delenv(CHECK_LAUNCHES_ENV, raising=False)
+    vit = GlmVit.from_pretrained(real_ckpt, backend="cupy")
+    assert not vit.tower.check_launches
+    stager = CupyStager(vit.tower, ProcessorConfig())
+    batches = [canvases[:3], canvases[3:]]
+    grids = [np.array([canvas_grid(c.shape) for c in b], dtype=np.int64) for b in batches]
+    outputs = ("pooler_output",)
+    for _ in range(3):  # eager, captured, replayed: the host's part of a submit is then a graph launch
+        for b, g in zip(batches, grids):
+            stager.submit(b, g, outputs, "bfloat16")
+    stager.downloaded.synchronize()
+    first = stager.submit(batches[0], grids[0], outputs, "bfloat16")
+    first_down = stager.downloaded
+    assert not first_down.done, "submit waited for its batch"
+    second = stager.submit(batches[1], grids[1], outputs, "bfloat16")
+    second_up = stager.uploaded_events[(stager.batches - 1) % 2]
+    first.result(), second.result()
+    ahead_ms = cupy.cuda.get_elapsed_time(second_up, first_down)
+    print(f"batch k+1 uploaded {ahead_ms:.2f} ms before batch k's outputs were down")
+    assert ahead_ms > 0
+
+
 def test_engines_with_their_own_budgets_and_devices_share_one_bound_checkpoint(real_ckpt, vit):
     weights = bind_checkpoint(real_ckpt)
     small = GlmVit.from_weights(weights, "cupy", max_pixels=448 * 448, device=0)
@@ -103,7 +135,7 @@ def test_encode_iter_equals_forward_and_keeps_the_gpu_busy(vit, tmp_path):
         h, w = SIZES[i % len(SIZES)]
         paths.append(tmp_path / f"p{i:02d}.{'jpg' if i % 2 else 'png'}")
         Image.fromarray(photo_like(h, w, seed=100 + i)).save(paths[-1], quality=92)
-    results = dict(vit.encode_iter(paths))
+    results = dict(vit.encode_iter(paths, output="both", dtype="float32"))
     assert list(results) == paths
     prepared = [canvas(p) for p in paths]
     counts = [int(np.prod(canvas_grid(c.shape))) for c in prepared]
@@ -161,3 +193,22 @@ def test_devices_write_what_one_engine_writes(tmp_path, real_ckpt, kernels):
     assert names == sorted(p.name for p in outs["devices"].iterdir()) and len(names) == 6
     for name in names:
         assert (outs["one"] / name).read_bytes() == (outs["devices"] / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("engines", [[], ["--devices", "all"]], ids=["one engine", "engine processes"])
+def test_an_image_over_the_gpu_budget_is_that_images_failure(tmp_path, engines):
+    """As on the CPU (test_budget.py), on the GPU engine in the CLI's process and in engine
+    processes: the image no forward call holds is listed in failures.jsonl, the rest encoded."""
+    import json
+    import subprocess
+    import sys
+
+    from test_budget import SMALL, refusal, unresized_checkpoint, write_images
+
+    ckpt, images, out = unresized_checkpoint(tmp_path / "ckpt"), write_images(tmp_path / "img"), tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "encode", str(images), "--model", str(ckpt),
+                           "--out-dir", str(out), "--backend", "cupy", "--max-pixels", str(SMALL), "--workers", "1",
+                           "--quiet", *engines], capture_output=True, text=True)
+    assert proc.returncode == 1 and "encoded 2, skipped 0, failed 1" in proc.stderr, proc.stderr
+    failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert failures == [{"path": str(images / "b.png"), "error": refusal(str(images / "b.png"), 400, 64)}]

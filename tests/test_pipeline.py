@@ -3,12 +3,15 @@ resumes, failures, flat memory, and shards that safetensors + numpy alone can re
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tarfile
+import termios
 import time
 from pathlib import Path
 
@@ -17,10 +20,11 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.pipeline import Decoder, plan_batches
+from glmvit_cupy.pipeline import Decoder, plan_batches, stream
 from glmvit_cupy.preprocess import ProcessorConfig
 from glmvit_cupy.shards import read_embeddings
 from glmvit_cupy.sources import expand_inputs
+from glmvit_cupy.synthetic import write_checkpoint
 from helpers import photo_like, rel_err
 
 CLI = [sys.executable, "-c", "import cli; cli.main()"]
@@ -100,8 +104,35 @@ def test_every_input_kind(tmp_path, tiny):
     assert [r["path"] for r in got] == [str(a[0]), str(a[1]), str(b[0]), str(tar_path), str(tar_path), str(b[1])]
     assert got[3]["member"] == "sample1/x.jpg" and got[3]["key"] == "sample1/x"
     assert "encoded 6, skipped 0, failed 0" in proc.stderr
-    # stderr is a pipe here: plain progress lines, no bar (tests/ cannot fake a terminal cheaply)
+    # stderr is a pipe here: plain progress lines, no bar (test_a_terminal_gets_a_live_bar has one)
     assert "glmvit-cupy: 6/6 images (100%)" in proc.stderr and "\r" not in proc.stderr
+
+
+def test_a_terminal_gets_a_live_bar(tmp_path, tiny):
+    """With stderr on a terminal (a pseudo-terminal here) progress is tqdm's bar, redrawn in
+    place, counting images and failures, and not the plain lines a log gets."""
+    make_images(tmp_path / "img", 6, seed=17)
+    (tmp_path / "img" / "junk.png").write_bytes(b"not an image")
+    terminal, child_end = os.openpty()
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal's size
+    proc = subprocess.Popen([*CLI, "encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(tmp_path / "out"),
+                             "--backend", "numpy", "--workers", "0"], stdout=subprocess.DEVNULL, stderr=child_end)
+    os.close(child_end)
+    shown = b""
+    while True:
+        try:
+            data = os.read(terminal, 1 << 16)
+        except OSError:  # EIO: the run has exited and closed the terminal
+            break
+        if not data:
+            break
+        shown += data
+    os.close(terminal)
+    assert proc.wait(timeout=120) == 1  # the junk file failed
+    text = shown.decode()
+    bar = [part for part in text.split("\r") if part.startswith("encoding: 100%")]
+    assert bar and "7/7 [" in bar[-1] and "img/s, failed=1, tokens_s=" in bar[-1], text
+    assert "glmvit-cupy: 7/7 images" not in text and "encoded 6, skipped 0, failed 1" in text
 
 
 def test_shards_read_with_safetensors_and_numpy_alone(tmp_path, tiny, vit):
@@ -164,7 +195,7 @@ def test_sigkill_then_resume_gives_one_record_per_input(tmp_path, tiny, vit):
     out = tmp_path / "out"
     args = [*CLI, "encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
             "--shard-size", "4", "--dtype", "float32", "--workers", "1", "--quiet",
-            "--max-pixels", str(600 * 196)]
+            "--max-pixels", str(600 * 196), "--max-image-tokens", "150"]  # images of up to 36 tokens: unchanged
     kill_after_two_shards_then_resume(args, out, paths, shard_size=4)
     by_path = {r["path"]: emb for r, emb in read_embeddings(out)}
     for path in paths:
@@ -178,7 +209,8 @@ def test_sigterm_finishes_the_shard_in_flight(tmp_path, tiny):
     make_images(tmp_path / "img", 150, seed=3)
     out = tmp_path / "out"
     args = [*CLI, "encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
-            "--shard-size", "1000", "--workers", "1", "--quiet", "--max-pixels", str(400 * 196)]
+            "--shard-size", "1000", "--workers", "1", "--quiet", "--max-pixels", str(400 * 196),
+            "--max-image-tokens", "100"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list(out.glob(".shard-*.tmp")) and time.time() < deadline:
@@ -214,34 +246,61 @@ def test_failures_are_listed_and_the_rest_encoded(tmp_path, tiny):
 
 def test_resume_with_other_settings_is_refused(tmp_path, tiny):
     make_images(tmp_path / "img", 3, seed=5)
-    base = [str(tmp_path / "img"), "--model", tiny, "--out-dir", str(tmp_path / "out"),
-            "--backend", "numpy", "--workers", "0"]
-    assert run("encode", *base).returncode == 0
-    proc = run("encode", *base, "--dtype", "float32")
+    base = [str(tmp_path / "img"), "--out-dir", str(tmp_path / "out"), "--backend", "numpy", "--workers", "0"]
+    assert run("encode", *base, "--model", tiny).returncode == 0
+    proc = run("encode", *base, "--model", tiny, "--dtype", "float32")
     assert proc.returncode == 1 and "made with dtype 'bfloat16', this run has 'float32'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    # Another tower of the same geometry (another seed): its embeddings must not join these.
+    other = write_checkpoint(tmp_path / "other", "tiny", seed=2)
+    theirs, ours = (GlmVit.from_pretrained(m, backend="numpy").fingerprint for m in (tiny, other))
+    proc = run("encode", *base, "--model", str(other))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"glmvit-cupy: error: {tmp_path / 'out' / 'shard-00000.safetensors'}: made with tower {theirs!r}, this run "
+        f"has {ours!r}; use another --out-dir, or the settings it was made with"]
 
 
-def peak_rss_kib(tmp_path: Path, tiny: str, n: int) -> int:
-    make_images(tmp_path / f"img{n}", n, seed=6, small=True)
-    code = ("import resource, sys, cli\n"
-            "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(code)")
-    proc = subprocess.run([sys.executable, "-c", code, "encode", str(tmp_path / f"img{n}"), "--model", tiny,
-                           "--out-dir", str(tmp_path / f"out{n}"), "--backend", "numpy", "--workers", "1",
-                           "--shard-size", "50", "--quiet", "--max-pixels", str(8 * 64 * 196)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert len(records(tmp_path / f"out{n}")) == n
-    return int(proc.stdout.split()[-1])
+HEAP = r"""
+import sys, tracemalloc
+from glmvit_cupy import GlmVit
+from glmvit_cupy.pipeline import encode_collection
+from glmvit_cupy.sources import expand_inputs
+
+model, images, out = sys.argv[1:]
+vit = GlmVit.from_pretrained(model, backend="numpy", max_pixels=8 * 64 * 196, max_image_tokens=16)
+heap = []
+
+
+class Probe:  # encode_collection's progress hook: the traced heap (NumPy's buffers too) after each image
+    def start(self, total):
+        pass
+
+    def __call__(self, result, stats):
+        heap.append(tracemalloc.get_traced_memory()[0])
+
+
+tracemalloc.start()
+summary = encode_collection(vit, expand_inputs([images]), out, workers=1, shard_size=50, progress=Probe())
+print(summary.encoded, vit.geometry.out_hidden_size, *heap)
+"""
 
 
 def test_host_memory_is_flat(tmp_path, tiny):
-    """Ten times the images, the same peak RSS: what is held is bounded by the decode window,
-    one batch (8 images here: the budget is a fixed cost) and one image's rows per output."""
-    small, large = peak_rss_kib(tmp_path, tiny, 40), peak_rss_kib(tmp_path, tiny, 400)
-    print(f"peak RSS: 40 images {small} KiB, 400 images {large} KiB")
-    assert large <= 1.2 * small
+    """What the main process holds does not grow with the collection: after a warm-up of two
+    shards, 400 more images (a shard in flight, a batch of 8, the decode window) leave the traced
+    heap where it was, by less than one shard's rows; keeping each image's result would add its
+    rows, 400 times over."""
+    n, shard, tokens = 500, 50, 16  # small images: the processor's minimum of 16 merged tokens each
+    make_images(tmp_path / "img", n, seed=6, small=True)
+    proc = subprocess.run([sys.executable, "-c", HEAP, tiny, str(tmp_path / "img"), str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    encoded, width, *heap = map(int, proc.stdout.split())
+    assert encoded == n == len(heap) and len(records(tmp_path / "out")) == n
+    warm, last = max(heap[2 * shard:4 * shard]), max(heap[-2 * shard:])
+    rows = tokens * width * 2  # one image's pooler_output, BF16
+    print(f"traced heap: {warm} B after warm-up, {last} B at the end; one image's rows {rows} B")
+    assert last - warm < shard * rows
 
 
 def test_encode_iter_is_lazy_ordered_and_equals_forward(tiny):
@@ -262,6 +321,26 @@ def test_encode_iter_is_lazy_ordered_and_equals_forward(tiny):
     assert len(rest) == 199 and len(pulled) == 200
     with pytest.raises(GlmVitError, match="cannot encode a int"):
         vit.encode(5)
+
+
+def test_the_packer_keeps_two_batches_on_the_engine(tiny):
+    """The stager's overlap (staging.py: batch k+1 uploads while k computes) needs the packer to
+    submit batch k+1 before it waits for batch k: the first result leaves once the third batch
+    begins (two batches of 5 submitted, the 11th image in hand), not after the first batch.
+    Decoding in this thread, which reads window - 1 inputs ahead of the packer."""
+    vit = GlmVit.from_pretrained(tiny, backend="numpy", max_pixels=5 * 64 * 196)  # 5 images of 64 patches a call
+    decoder = Decoder(0, vit.processor)
+    pulled = []
+
+    def images():
+        for i in range(40):
+            pulled.append(i)
+            yield photo_like(28, 28, seed=i)  # enlarged to the minimum, 16 tokens: 64 patches
+
+    results = stream(vit, images(), decoder=decoder)
+    next(results)
+    assert len(pulled) - (decoder.window - 1) == 2 * 5 + 1
+    assert sum(1 for _ in results) == 39
 
 
 def test_plan_batches_packs_in_order_under_the_budget():
@@ -348,3 +427,42 @@ def test_several_directories_read_as_one_collection(tmp_path, tiny):
     with pytest.raises(GlmVitError, match=r"made with dtype 'float32', .*shard-00000.safetensors with 'bfloat16': "
                                           "not one collection"):
         list(read_embeddings([tmp_path / "out_a", tmp_path / "out_c"]))
+
+
+def test_a_directory_without_shards_is_refused_not_read_as_empty(tmp_path, tiny):
+    """An image folder, a fresh directory or a Ray ShardSink's output read without parts() is
+    one line saying so; a run whose every image failed is an empty collection."""
+    make_images(tmp_path / "img", 1, seed=16)
+    (tmp_path / "sink" / "part-0").mkdir(parents=True)
+    assert run("encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(tmp_path / "sink" / "part-0"),
+               "--backend", "numpy", "--workers", "0").returncode == 0
+    nothing = "holds no finished shard (shard-NNNNN.safetensors and its .jsonl) and no failures.jsonl"
+    for directory, why in ((tmp_path / "img", ": not the --out-dir of a run that finished a shard"),
+                           (tmp_path / "sink", "; its subdirectories do: a Ray ShardSink's output is read as "
+                                               "read_embeddings(glmvit_cupy.ray.parts(...))")):
+        with pytest.raises(GlmVitError) as info:
+            next(read_embeddings(directory))
+        assert str(info.value) == f"{directory}: {nothing}{why}"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "junk.png").write_bytes(b"junk")
+    failed = run("encode", str(tmp_path / "bad"), "--model", tiny, "--out-dir", str(tmp_path / "all_failed"),
+                 "--backend", "numpy", "--workers", "0")
+    assert failed.returncode == 1 and list(read_embeddings(tmp_path / "all_failed")) == []
+
+
+def test_an_empty_file_says_so(tmp_path, tiny):
+    """A zero-byte file (a failed download) is named as empty, not as an undecodable image: as a
+    path, and as the bytes a collection run reads (a file, a tar member)."""
+    make_images(tmp_path / "img", 1, seed=15)
+    (tmp_path / "img" / "zero.jpg").write_bytes(b"")
+    with tarfile.open(tmp_path / "data.tar", "w") as tar:
+        tar.add(tmp_path / "img" / "zero.jpg", arcname="member.png")
+    with pytest.raises(GlmVitError, match=r"^.*zero\.jpg: empty file \(0 bytes\)$"):
+        preprocess(str(tmp_path / "img" / "zero.jpg"))
+    out = tmp_path / "out"
+    proc = run("encode", str(tmp_path / "img"), str(tmp_path / "data.tar"), "--model", tiny, "--out-dir", str(out),
+               "--backend", "numpy", "--workers", "0", "--quiet")
+    assert proc.returncode == 1 and "encoded 1, skipped 0, failed 2" in proc.stderr
+    errors = [json.loads(line)["error"] for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert errors == [f"{tmp_path / 'img' / 'zero.jpg'}: empty file (0 bytes)",
+                      f"{tmp_path / 'data.tar'}:member.png: empty file (0 bytes)"]

@@ -49,7 +49,8 @@ def same_record(ours: dict, theirs: dict) -> bool:
 def test_rows_of_bytes_come_back_as_encode_writes_them(tmp_path, tiny_ckpt, cluster):
     paths = make_images(tmp_path / "img", 6, seed=10)
     ds = ray.data.read_binary_files(str(tmp_path / "img"), include_paths=True)  # rows: bytes, path
-    rows = ds.map_batches(GlmVitEmbedder, fn_constructor_kwargs={"model": str(tiny_ckpt), "backend": "numpy"},
+    rows = ds.map_batches(GlmVitEmbedder, fn_constructor_kwargs={"model": str(tiny_ckpt), "backend": "numpy",
+                                                                 "dtype": "float32"},
                           compute=ray.data.ActorPoolStrategy(size=1), batch_size=4).take_all()
     want = encoded([str(p) for p in paths], tiny_ckpt, tmp_path / "out")
     assert sorted(r["path"] for r in rows) == sorted(want)
