@@ -122,7 +122,9 @@ def oracle(checkpoints, clips, given_frames, tmp_path_factory):
 
 
 def engine(checkpoint: Path, **options) -> GlmVit:
-    return GlmVit.from_pretrained(checkpoint, backend="numpy", **options)
+    """A NumPy engine whose forward calls hold any group of these clips: by default the budget
+    follows the image processor's max_image_tokens, 20 in fps3's preprocessor_config.json."""
+    return GlmVit.from_pretrained(checkpoint, backend="numpy", **{"max_pixels": 14 * 14 * 2048, **options})
 
 
 def assert_embeddings(out, ref: dict, bound: float) -> None:
