@@ -27,6 +27,7 @@ from glmvit_cupy.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
 from glmvit_cupy.shards import DEFAULT_SHARD_SIZE
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
+from glmvit_cupy.video import VIDEO_EXTENSIONS
 from glmvit_cupy.writer import write_atomic
 
 MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
@@ -110,6 +111,7 @@ Examples:
   glmvit-cupy encode ~/photos --model ckpt --out-dir embs/
   glmvit-cupy encode 'shots/**/*.jpg' data-{000..009}.tar --model ckpt --out-dir embs/
   find /data -name '*.png' | glmvit-cupy encode --files-from - --model ckpt --out-dir embs/
+  glmvit-cupy encode clip.mp4 --model ckpt --out emb.npz     # videos: .mp4 .mkv .webm .mov .avi
 
 Re-running the same --out-dir command after an interruption (Ctrl-C, a kill, a crash)
 encodes only what is missing.""")
@@ -182,6 +184,10 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         device_list = parse_devices(devices)
     if not inputs and files_from is None:
         raise GlmVitError("no inputs: name image files, directories, patterns or .tar shards, or --files-from")
+    if any(Path(name).suffix.lower() in VIDEO_EXTENSIONS for name in inputs):
+        _encode_videos(inputs, files_from is not None or devices is not None or out_dir is not None, model_dir,
+                       out_path, backend, which, dtype, max_pixels, kernels, min_image_tokens, max_image_tokens)
+        return
     sources = expand_inputs(inputs, files_from, unique=out_dir is not None)  # --out: one result a mention
     if not sources:
         raise GlmVitError("the inputs name no image (directories are searched for "
@@ -254,6 +260,42 @@ def _encode_to_file(vit, sources, out_path: Path, which: str, decoder, processor
     shape = next(iter(arrays.values())).shape
     click.echo(f"{out_path}: {len(results)} image(s), {shape[0]} tokens x {shape[1]} "
                f"({', '.join(arrays)}), backend {vit.backend}", err=True)
+
+
+def _encode_videos(inputs: tuple[str, ...], collection: bool, model_dir: str, out_path: Path | None, backend: str,
+                   which: str, dtype: str | None, max_pixels: int | None, kernels: str, min_image_tokens: int | None,
+                   max_image_tokens: int | None) -> None:
+    """Video files into one .npz: pooler_output and/or last_hidden_state (every video's rows in time
+    order, stacked), grid_thw [videos, 3], offsets [videos + 1] into the rows, timestamps (seconds
+    of each temporal group's first frame, grid_thw[:, 0] of them a video, stacked), frames and fps
+    [videos] (frames sampled, the source's rate). The token budget options set the whole video's."""
+    from glmvit_cupy import GlmVit
+    from glmvit_cupy.hub import resolve_model
+    from glmvit_cupy.video import video_config
+
+    if collection or out_path is None or not all(Path(name).suffix.lower() in VIDEO_EXTENSIONS for name in inputs):
+        raise GlmVitError("videos are encoded as video files only, into --out FILE.npz (no images beside them, "
+                          "no --out-dir, --files-from or --devices)")
+    if out_path.suffix.lower() != ".npz" or dtype is not None:
+        raise GlmVitError(f"{out_path}: videos go into a float32 .npz (rows, grid_thw and timestamps a video)")
+    check_writable(out_path)
+    directory = resolve_model(model_dir)
+    budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    config, _ = video_config(directory, **budget)
+    vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, kernels=kernels)
+    if vit.backend_note and vit.backend == "numpy":
+        click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
+    outs = [vit.encode_video(name, config=config) for name in inputs]
+    arrays = {name: np.concatenate([getattr(out, name) for out in outs]) for name in OUTPUTS[which]}
+    offsets = np.concatenate([[0], np.cumsum([len(out.pooler_output) for out in outs])]).astype(np.int64)
+    write_atomic(out_path, lambda f: np.savez(
+        f, **arrays, grid_thw=np.concatenate([out.grid_thw for out in outs]), offsets=offsets,
+        timestamps=np.concatenate([out.timestamps for out in outs]),
+        frames=np.array([out.frames for out in outs], dtype=np.int64),
+        fps=np.array([out.fps for out in outs], dtype=np.float64)))
+    shape = next(iter(arrays.values())).shape
+    click.echo(f"{out_path}: {len(outs)} video(s), {sum(int(out.grid_thw[0, 0]) for out in outs)} temporal groups, "
+               f"{shape[0]} tokens x {shape[1]} ({', '.join(arrays)}), backend {vit.backend}", err=True)
 
 
 def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_size: int, decoder, processor,

@@ -9,6 +9,8 @@ Layout, one concern a module:
   synthetic   writing real-layout checkpoints with random weights (tests, benchmarks, demos)
   preprocess  images -> pixel_values, grid_thw (transformers' Glm5NextImageProcessorPil), and
               the processor's preprocessor_config.json
+  video       videos -> pixel_values, grid_thw, timestamps (transformers' Glm5NextVideoProcessor,
+              decoded with PyAV: the optional [video] extra)
   layout      positions, attention segments, RoPE frequencies (shared by both backends)
   reference   the float32 NumPy forward: the readable statement of the math
   engine      the CuPy forward: cuBLAS BF16 GEMMs + the kernels in cuda_src/

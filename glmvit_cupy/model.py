@@ -342,6 +342,41 @@ class GlmVit:
                                                     workers=workers, min_image_tokens=min_image_tokens,
                                                     max_image_tokens=max_image_tokens)]
 
+    def encode_video(self, video: Any, *, config: Any = None, min_image_tokens: int | None = None,
+                     max_image_tokens: int | None = None) -> Any:
+        """Embed one video: a path, its bytes or a binary file-like (decoded with PyAV, the [video]
+        extra), or (frames, timestamps) decoded by the caller (HxWx3 uint8 frames, seconds each).
+        Preprocessed as transformers' Glm5NextVideoProcessor with `config` (a video.VideoConfig;
+        default: its class defaults; `video.video_config(checkpoint_dir)` reads a checkpoint's,
+        as the CLI does) and the token budget given here; embedded as get_video_features embeds
+        it. Temporal groups go through forward calls of at most p_max patches, cut at group
+        boundaries (attention never crosses a group, so this is exact). Returns a
+        video.VideoOutput of float32 NumPy arrays."""
+        from .video import VideoConfig, VideoOutput, check_video_config, load, with_video_settings
+
+        _check_type("config", config, (VideoConfig, type(None)), "a glmvit_cupy.video.VideoConfig or None")
+        config = with_video_settings(config or VideoConfig(), min_image_tokens=min_image_tokens,
+                                     max_image_tokens=max_image_tokens)
+        check_video_config(config, self.geometry)
+        frames = load(video, config)
+        per_group = frames.patches_per_group
+        if per_group > self.p_max:
+            raise GlmVitError(f"{frames.name}: one temporal group is {per_group} patches, over the {self.p_max} "
+                              "of one forward call of this engine: raise max_pixels or lower max_image_tokens")
+        step = self.p_max // per_group
+        _, h, w = frames.grid_thw[0].tolist()
+        last_hidden, pooler = [], []
+        for first in range(0, frames.groups, step):
+            stop = min(first + step, frames.groups)
+            try:
+                out = self.forward(frames.pixel_values(first, stop), [[stop - first, h, w]])
+            except GlmVitError as exc:
+                raise GlmVitError(f"{frames.name}, temporal groups {first}-{stop - 1}: {exc}") from None
+            for parts, array in ((last_hidden, out.last_hidden_state), (pooler, out.pooler_output)):
+                parts.append(array.get() if hasattr(array, "get") else array)  # CuPy -> host
+        return VideoOutput(np.concatenate(last_hidden), np.concatenate(pooler), frames.grid_thw,
+                           np.array(frames.group_timestamps, dtype=np.float64), len(frames.frames), frames.fps)
+
     def batcher(self, *, max_wait_ms: float | None = None, max_queue: int | None = None,
                 timeout_s: float | None = None, workers: int | None = None, on_batch: Any = None) -> Any:
         """A Batcher (batcher.py): requests from any number of threads or coroutines, one image

@@ -67,26 +67,13 @@ class ProcessorConfig:
     do_convert_rgb: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_image_tokens", "max_image_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise GlmVitError(f"processor: {name} {value!r} must be a positive integer")
-        if self.max_image_tokens < self.min_image_tokens:
-            raise GlmVitError(f"processor: image token budget [{self.min_image_tokens}, {self.max_image_tokens}] is empty")
-        for name in ("image_mean", "image_std"):
-            value = getattr(self, name)
-            if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, float) for v in value)):
-                raise GlmVitError(f"processor: {name} {value!r} must be 3 floats (one per RGB channel)")
-        if 0.0 in self.image_std:
-            raise GlmVitError(f"processor: image_std {list(self.image_std)} has a zero")
+        check_shared_fields(self, "processor", ("patch_size", "temporal_patch_size", "merge_size", "min_image_tokens",
+                                                "max_image_tokens"), ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"))
         if self.resample not in {int(r) for r in Image.Resampling} or isinstance(self.resample, bool):
             raise GlmVitError(f"processor: resample {self.resample!r} is not a PIL resampling filter "
                               f"({', '.join(f'{int(r)} {r.name.lower()}' for r in Image.Resampling)})")
         if not isinstance(self.rescale_factor, float):
             raise GlmVitError(f"processor: rescale_factor {self.rescale_factor!r} must be a number")
-        for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
-            if not isinstance(getattr(self, name), bool):
-                raise GlmVitError(f"processor: {name} {getattr(self, name)!r} must be true or false")
 
     @property
     def factor(self) -> int:
@@ -95,6 +82,26 @@ class ProcessorConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ProcessorConfig))
+
+
+def check_shared_fields(config: Any, who: str, integers: Sequence[str], flags: Sequence[str]) -> None:
+    """The checks the image and the video processor's settings share: positive integers, a token
+    budget that is not empty, 3 floats of mean and of std (no zero std), true/false flags."""
+    for name in integers:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GlmVitError(f"{who}: {name} {value!r} must be a positive integer")
+    if config.max_image_tokens < config.min_image_tokens:
+        raise GlmVitError(f"{who}: image token budget [{config.min_image_tokens}, {config.max_image_tokens}] is empty")
+    for name in ("image_mean", "image_std"):
+        value = getattr(config, name)
+        if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, float) for v in value)):
+            raise GlmVitError(f"{who}: {name} {value!r} must be 3 floats (one per RGB channel)")
+    if 0.0 in config.image_std:
+        raise GlmVitError(f"{who}: image_std {list(config.image_std)} has a zero")
+    for name in flags:
+        if not isinstance(getattr(config, name), bool):
+            raise GlmVitError(f"{who}: {name} {getattr(config, name)!r} must be true or false")
 
 
 def _field_value(name: str, value: Any) -> Any:
@@ -129,34 +136,47 @@ def processor_config(model_dir: str | Path | None = None,
     there is one, then each override that is not None. Returns (config, field -> "default" | "preprocessor_config.json" |
     "option")."""
     _check_names(overrides)
-    values: dict[str, Any] = {}
-    sources = dict.fromkeys(FIELDS, "default")
     path = Path(model_dir) / PREPROCESSOR_FILE if model_dir is not None else None
-    if path is not None and path.is_file():
-        try:
-            file = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise GlmVitError(f"{path}: cannot read the processor config: {exc}") from None
-        if not isinstance(file, dict):
-            raise GlmVitError(f"{path}: holds a {type(file).__name__}, not an object")
-        for name in FIELDS:
-            if name not in file:
-                continue
-            if file[name] is None and not name.startswith("do_"):
-                raise GlmVitError(f"{path}: {name} is null, on which transformers' processor fails: "
-                                  "give a value or leave the field out")
-            # A null do_ flag is false to transformers (an `if` on None), not the default.
-            values[name] = False if file[name] is None else _field_value(name, file[name])
-            sources[name] = PREPROCESSOR_FILE
-    for name, value in overrides.items():
-        if value is not None:
-            values[name] = _field_value(name, value)
-            sources[name] = "option"
+    file = read_json_object(path) if path is not None and path.is_file() else {}
+    values, sources = settings_from(file, PREPROCESSOR_FILE, path, FIELDS, _field_value, overrides)
     try:
         return ProcessorConfig(**values), sources
     except GlmVitError as exc:
         where = path if path is not None and any(s == PREPROCESSOR_FILE for s in sources.values()) else "options"
         raise GlmVitError(f"{where}: {exc}") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A processor config file's JSON object; anything else is one line naming the file."""
+    try:
+        file = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GlmVitError(f"{path}: cannot read the processor config: {exc}") from None
+    if not isinstance(file, dict):
+        raise GlmVitError(f"{path}: holds a {type(file).__name__}, not an object")
+    return file
+
+
+def settings_from(file: dict, where: str, path: Path | None, fields: Sequence[str], convert: Any,
+                  overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(values, field -> "default" | `where` | "option"): each of `fields` the config `file` (read
+    from `path`) sets, then each override that is not None, in the config class's types (`convert`)."""
+    values: dict[str, Any] = {}
+    sources = dict.fromkeys(fields, "default")
+    for name in fields:
+        if name not in file:
+            continue
+        if file[name] is None and not name.startswith("do_"):
+            raise GlmVitError(f"{path}: {name} is null, on which transformers' processor fails: "
+                              "give a value or leave the field out")
+        # A null do_ flag is false to transformers (an `if` on None), not the default.
+        values[name] = False if file[name] is None else convert(name, file[name])
+        sources[name] = where
+    for name, value in overrides.items():
+        if value is not None:
+            values[name] = convert(name, value)
+            sources[name] = "option"
+    return values, sources
 
 
 def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
@@ -172,12 +192,14 @@ def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
 
 def smart_resize(height: int, width: int, *, factor: int, temporal_factor: int,
                  min_image_tokens: int = MIN_IMAGE_TOKENS,
-                 max_image_tokens: int = MAX_IMAGE_TOKENS) -> tuple[int, int]:
-    """The aligned canvas (H, W) for one image, the oracle's binary search included."""
+                 max_image_tokens: int = MAX_IMAGE_TOKENS, frames: int | None = None) -> tuple[int, int]:
+    """The aligned canvas (H, W) for one image, or for every frame of a video of `frames`
+    frames (one budget for the whole video), the oracle's binary search included."""
     pixels_per_token = temporal_factor * factor ** 2
     min_pixels = min_image_tokens * pixels_per_token
     max_pixels = max_image_tokens * pixels_per_token
-    frames = temporal_factor  # a still image is one frame repeated temporal_factor times
+    if frames is None:
+        frames = temporal_factor  # a still image is one frame repeated temporal_factor times
 
     def align(value: float) -> int:
         return math.ceil(value / factor) * factor
@@ -321,16 +343,23 @@ def canvas(image: ImageLike, config: ProcessorConfig = ProcessorConfig()) -> np.
     target_h, target_w = smart_resize(height, width, factor=factor, temporal_factor=temporal,
                                       min_image_tokens=config.min_image_tokens,
                                       max_image_tokens=config.max_image_tokens)
-    scale = min(target_h / height, target_w / width)
-    if temporal * height * width >= temporal * factor ** 2 * config.min_image_tokens:
-        scale = min(1.0, scale)  # only images below the minimum budget are ever enlarged
-    content_h = max(1, min(target_h, math.floor(height * scale)))
-    content_w = max(1, min(target_w, math.floor(width * scale)))
+    content_h, content_w = content_size(height, width, target_h, target_w,
+                                        enlarge=temporal * height * width < temporal * factor ** 2 * config.min_image_tokens)
     if (content_h, content_w) != (height, width):
         image = image.resize((content_w, content_h), resample=config.resample)
     out = np.zeros((target_h, target_w, 3), dtype=np.uint8)
     out[:content_h, :content_w] = np.asarray(image, dtype=np.uint8)
     return out
+
+
+def content_size(height: int, width: int, target_h: int, target_w: int, enlarge: bool) -> tuple[int, int]:
+    """The content's (height, width) on its aligned canvas: the aspect-keeping scale that fits
+    the canvas, never above 1 unless `enlarge` (the input is below the minimum token budget);
+    the rest of the canvas is zero padding."""
+    scale = min(target_h / height, target_w / width)
+    if not enlarge:
+        scale = min(1.0, scale)
+    return max(1, min(target_h, math.floor(height * scale))), max(1, min(target_w, math.floor(width * scale)))
 
 
 def canvas_grid(shape: Sequence[int], config: ProcessorConfig = ProcessorConfig()) -> tuple[int, int, int]:
