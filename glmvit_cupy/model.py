@@ -177,12 +177,13 @@ class GlmVit:
     closes it (its decode workers) at the end of the block."""
 
     def __init__(self, tower: Any, backend: str, backend_note: str, fingerprint: str,
-                 processor: ProcessorConfig) -> None:
+                 processor: ProcessorConfig, directory: Path | None = None) -> None:
         self.tower = tower
         self.backend = backend
         self.backend_note = backend_note  # why this backend (for the CLI's one-line notice)
         self.geometry: GlmVitGeometry = tower.geo
         self.fingerprint = fingerprint  # of the tower's bytes: output directories record it
+        self.directory = directory  # the checkpoint's: encode_video reads its video processor config there
         check_processor(processor, self.geometry)
         self.processor = processor
         self._pool: Decoder | None = None
@@ -228,17 +229,18 @@ class GlmVit:
         _check_type("weights", weights, (TowerWeights,), "TowerWeights (checkpoint.bind_checkpoint)")
         _check_options(max_pixels, attention, device, kernels)
         backend, auto_note = _choose_backend(backend)
+        directory = weights.location.shards[0].parent
         if processor is None:
-            processor, _ = processor_config(weights.location.shards[0].parent)
+            processor, _ = processor_config(directory)
         p_max = patch_budget(weights.location.geometry, max_pixels, processor.max_image_tokens)
         fingerprint = weights.fingerprint()
         if backend == "numpy":
             from .reference import NumpyTower
-            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint, processor)
+            return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint, processor, directory)
         from .engine import CupyTower
         options = {} if attention is None else {"attention": attention}
         tower = CupyTower(weights, p_max, runtime=runtime, device=device, kernels=kernels, **options)
-        return cls(tower, "cupy", note or auto_note, fingerprint, processor)
+        return cls(tower, "cupy", note or auto_note, fingerprint, processor, directory)
 
     @property
     def p_max(self) -> int:
@@ -347,15 +349,15 @@ class GlmVit:
         """Embed one video: a path, its bytes or a binary file-like (decoded with PyAV, the [video]
         extra), or (frames, timestamps) decoded by the caller (HxWx3 uint8 frames, seconds each).
         Preprocessed as transformers' Glm5NextVideoProcessor with `config` (a video.VideoConfig;
-        default: its class defaults; `video.video_config(checkpoint_dir)` reads a checkpoint's,
-        as the CLI does) and the token budget given here; embedded as get_video_features embeds
+        default: the checkpoint's own, `video.video_config(vit.directory)`, as transformers reads
+        it) and the token budget given here; embedded as get_video_features embeds
         it. Temporal groups go through forward calls of at most p_max patches, cut at group
         boundaries (attention never crosses a group, so this is exact). Returns a
         video.VideoOutput of float32 NumPy arrays."""
-        from .video import VideoConfig, VideoOutput, check_video_config, load, with_video_settings
+        from .video import VideoConfig, VideoOutput, check_video_config, load, video_config, with_video_settings
 
         _check_type("config", config, (VideoConfig, type(None)), "a glmvit_cupy.video.VideoConfig or None")
-        config = with_video_settings(config or VideoConfig(), min_image_tokens=min_image_tokens,
+        config = with_video_settings(config or video_config(self.directory)[0], min_image_tokens=min_image_tokens,
                                      max_image_tokens=max_image_tokens)
         check_video_config(config, self.geometry)
         frames = load(video, config)

@@ -145,7 +145,7 @@ def test_clip_equals_transformers(name, checkpoints, clips, oracle):
     # torchvision's uint8 resize is reproduced integer for integer, so scaled frames match bit for bit too
     assert pixels.shape == ref["pixel_values_videos"].shape
     assert np.array_equal(pixels.view(np.uint32), ref["pixel_values_videos"].view(np.uint32))
-    out = engine(checkpoints[CLIPS[name][-1]]).encode_video(clips[name], config=config)
+    out = engine(checkpoints[CLIPS[name][-1]]).encode_video(clips[name])  # the checkpoint's own config
     assert np.array_equal(out.grid_thw, ref["video_grid_thw"])
     assert np.array_equal(out.timestamps, ref["timestamps"])  # exact: frame index / fps, as the processor
     assert out.frames == len(ref["frames_indices"]) and out.fps == float(ref["fps"])
