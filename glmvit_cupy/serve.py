@@ -39,9 +39,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import __version__
 from .encoder_cache import HIT, EncoderCache, image_digest
@@ -195,7 +197,8 @@ class Service:
         self.outstanding = [0] * len(self.vits)  # images submitted to each engine's batcher, not yet answered
         self.ready = self.draining = False
         self.failure: str | None = None  # why the engine cannot serve: the server exits (status 1)
-        self.active = 0  # work requests accepted and not yet answered: the drain waits for them
+        self.max_requests = 2 * limits.max_queue * len(self.vits)  # a queue's worth waiting, as many again answered
+        self.active = 0  # work requests held, arrival to response sent: the drain waits for them, 429 past max_requests
 
     def status(self) -> str:
         if self.failure is not None:
@@ -292,7 +295,8 @@ class Service:
             "engines": len(self.vits), "fingerprint": vit.fingerprint,
             "geometry": dataclasses.asdict(vit.geometry), "processor": dataclasses.asdict(vit.processor),
             "outputs": list(OUTPUTS), "dtypes": list(DTYPES),
-            "limits": {"max_queue": limits.max_queue, "max_wait_ms": limits.max_wait_ms, "timeout_s": limits.timeout_s,
+            "limits": {"max_queue": limits.max_queue, "max_requests": self.max_requests,
+                       "max_wait_ms": limits.max_wait_ms, "timeout_s": limits.timeout_s,
                        "payload_limit": limits.payload_limit, "cache_bytes": limits.cache_bytes,
                        "allow_files": None if limits.allow_files is None else str(limits.allow_files),
                        "p_max": vit.p_max}})
@@ -382,12 +386,9 @@ class Service:
     def route(self, path: str, handler: Callable[[Request, _Timing], Awaitable[Response]], method: str,
               work: bool) -> Route:
         """`handler` with what every response gets: errors as one line and a status, timing headers, the
-        request counted and logged. `work`: an embedding route (refused while draining; the drain waits
-        for it)."""
+        request counted and logged. `work`: an embedding route (refused while draining; `admit` counts it)."""
         async def endpoint(request: Request) -> Response:
             t0, timing = time.perf_counter(), _Timing()
-            if work:
-                self.active += 1
             try:
                 if work and self.draining:
                     raise HttpError(503, "draining: the server is shutting down; send to another replica")
@@ -401,12 +402,31 @@ class Service:
                 log.error("glmvit-cupy: internal error on %s %s\n%s", method, path, traceback.format_exc().rstrip())
                 line = str(exc).splitlines()[0] if str(exc) else ""
                 response, note = _error(500, f"internal error ({type(exc).__name__}: {line})"), "internal error"
-            finally:
-                if work:
-                    self.active -= 1
             return self.finish(request, path, response, t0, timing, note)
 
         return Route(path, endpoint, methods=[method])
+
+    def admit(self, app: ASGIApp, work_paths: set[str]) -> ASGIApp:
+        """`app` holding at most max_requests work requests, counted from their arrival until their response
+        is sent (so the ones whose responses are being built or written count); past it 429 at once, before
+        the body is read: the HTTP layer, not only the batcher's queue, is bounded (TEI's
+        --max-concurrent-requests). Draining, they pass to the route's 503."""
+        async def admitted(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope["path"] not in work_paths:
+                return await app(scope, receive, send)
+            if self.active >= self.max_requests and not self.draining:
+                request, message = Request(scope, receive), (f"overloaded: the server holds {self.active} requests "
+                                                              f"(max {self.max_requests}): retry later")
+                response = self.finish(request, scope["path"], _error(429, message), time.perf_counter(), _Timing(),
+                                       message)
+                return await response(scope, receive, send)
+            self.active += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.active -= 1
+
+        return admitted
 
     def finish(self, request: Request, route: str, response: Response, t0: float, timing: _Timing,
                note: str) -> Response:
@@ -432,11 +452,10 @@ def create_app(vits: Sequence[Any], *, model: str, directory: Path, limits: Limi
         yield
         await service.stop()
 
-    routes = [service.route("/v1/embeddings", service.embeddings, "POST", work=True),
-              service.route("/embed", service.embed, "POST", work=True),
-              service.route("/health", service.health, "GET", work=False),
-              service.route("/info", service.info, "GET", work=False),
-              service.route("/metrics", service.prometheus, "GET", work=False)]
+    work_paths = {"/v1/embeddings", "/embed"}
+    routes = [service.route(path, handler, method, work=path in work_paths) for path, handler, method in (
+        ("/v1/embeddings", service.embeddings, "POST"), ("/embed", service.embed, "POST"),
+        ("/health", service.health, "GET"), ("/info", service.info, "GET"), ("/metrics", service.prometheus, "GET"))]
     known = ", ".join(f"{next(iter(r.methods - {'HEAD'}))} {r.path}" for r in routes)
 
     async def no_route(request: Request, exc: HTTPException) -> Response:
@@ -446,7 +465,8 @@ def create_app(vits: Sequence[Any], *, model: str, directory: Path, limits: Limi
         response.headers.update(exc.headers or {})
         return service.finish(request, "other", response, time.perf_counter(), _Timing(), message)
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route},
+                    middleware=[Middleware(service.admit, work_paths=work_paths)])
     app.state.service = service
     return app
 
