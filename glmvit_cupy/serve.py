@@ -10,9 +10,10 @@ prometheus-client; imported by nothing else in the package).
 A thin layer over the library's batcher (one per engine, `GlmVit.batcher`): requests from every
 connection are decoded on its workers and packed into shared forward calls; results go through the
 encoder cache (encoder_cache.py). Every failure is one status and one line (`HttpError`), and one bad
-request fails alone. A client that disconnects has its queued work cancelled. The first SIGTERM or
-SIGINT drains: /health and new work answer 503 while the accepted requests finish, then uvicorn shuts
-down and the process exits 0 (`DrainingServer`).
+request fails alone. At most 2 x --max-queue requests per engine are held, arrival to response sent;
+past it 429 at once (`Service.admit`). A client that disconnects has its queued work cancelled. The
+first SIGTERM or SIGINT drains: /health and new work answer 503 while the accepted requests finish,
+then uvicorn shuts down and the process exits 0 (`DrainingServer`).
 """
 
 from __future__ import annotations
