@@ -59,6 +59,7 @@ log = logging.getLogger("glmvit_cupy.serve")
 
 DEFAULT_PAYLOAD_LIMIT = 32 * 2**20  # bytes of a request body: a large photo as base64 JSON, with room
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
+B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time: 1 MiB of base64, ~1 ms
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
@@ -258,9 +259,9 @@ class Service:
         inputs, output, dtype, encoding = _parse_embeddings(body, self.model)
         images = await asyncio.gather(*(self._input_bytes(i, item) for i, item in enumerate(inputs)))
         encoded = await _unless_disconnected(request, self._encode_all(images, output, dtype, timing))
-        # Off the event loop: a real tower's image is megabytes of embedding to encode (base64: ~10 ms)
-        body = await asyncio.to_thread(_embeddings_body, [e.output for e in encoded], output, encoding, self.model)
-        return Response(body, media_type="application/json", headers={"x-cache": ",".join(e.cache for e in encoded)})
+        # Off the event loop: a real tower's image is megabytes of embedding to encode (base64: ~25 ms)
+        parts = await asyncio.to_thread(_embeddings_parts, [e.output for e in encoded], output, encoding, self.model)
+        return _PartsResponse(parts, headers={"x-cache": ",".join(e.cache for e in encoded)})
 
     async def embed(self, request: Request, timing: _Timing) -> Response:
         output = request.query_params.get("output", DEFAULT_OUTPUT)
@@ -614,27 +615,56 @@ def _arrays(result: Any, output: str) -> dict[str, np.ndarray]:
     return {name: getattr(result, name) for name in OUTPUTS[output]}
 
 
-def _embeddings_body(results: list[Any], output: str, encoding: str, model: str) -> bytes:
-    """The /v1/embeddings response as JSON bytes. An embedding is nested lists [tokens][dim] (float) or the
+def _embeddings_parts(results: list[Any], output: str, encoding: str, model: str) -> list[bytes]:
+    """The /v1/embeddings response as JSON, in parts to send in order, never joined: a real tower's base64
+    answer is ~22 MB, and each join or concatenation of it is a 22 MB copy (four took ~115 ms of 141 on
+    the dev machine: benchmarks/NOTES.md). An embedding is nested lists [tokens][dim] (float) or the
     row-major bytes of the array in its dtype (base64; little-endian, as every host we run on), spliced in
     as they are: base64 needs no JSON escaping, and json.dumps would scan megabytes for it."""
-    items, tokens = [], 0
+    parts, tokens = [b'{"object": "list", "data": ['], 0
     for i, result in enumerate(results):
         arrays = _arrays(result, output)
         first = next(iter(arrays.values()))
         tokens += first.shape[0]
-        if encoding == "base64":
-            embedded = {name: b'"' + base64.b64encode(np.ascontiguousarray(a).tobytes()) + b'"'
-                        for name, a in arrays.items()}
-        else:
-            embedded = {name: json.dumps(a.astype(np.float32).tolist()).encode() for name, a in arrays.items()}
-        embedding = (b"{" + b",".join(json.dumps(name).encode() + b":" + e for name, e in embedded.items()) + b"}"
-                     if output == "both" else next(iter(embedded.values())))
         head = json.dumps({"object": "embedding", "index": i, "shape": list(first.shape),
                            "grid_thw": result.grid_thw[0].tolist()})
-        items.append(head[:-1].encode() + b', "embedding": ' + embedding + b"}")
+        opening = b"{" if output == "both" else b""
+        parts.append((b", " if i else b"") + head[:-1].encode() + b', "embedding": ' + opening)
+        for j, (name, a) in enumerate(arrays.items()):
+            if output == "both":
+                parts.append((b"," if j else b"") + json.dumps(name).encode() + b":")
+            if encoding == "base64":
+                parts += [b'"', *_base64_parts(a), b'"']
+            else:
+                parts.append(json.dumps(a.astype(np.float32).tolist()).encode())
+        parts.append(b"}}" if output == "both" else b"}")
     tail = json.dumps({"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-    return b'{"object": "list", "data": [' + b", ".join(items) + b"], " + tail[1:].encode()
+    return [*parts, b"], " + tail[1:].encode()]
+
+
+def _base64_parts(array: np.ndarray) -> list[bytes]:
+    """The base64 of the array's bytes, read in place (no copy of a contiguous array) in slices of
+    B64_SLICE bytes: a multiple of 3, so the parts are the whole's base64. Between slices the event loop
+    can take the GIL, which base64 holds, and 1 MiB results reuse freed memory where one of 22 MB is
+    page-faulted in afresh (18 ms against 29 for the whole, on the dev machine)."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
+    return [base64.b64encode(flat[i:i + B64_SLICE]) for i in range(0, flat.size, B64_SLICE)]
+
+
+class _PartsResponse(Response):
+    """A JSON body sent as its parts (`_embeddings_parts`), its length declared up front."""
+
+    media_type = "application/json"
+
+    def __init__(self, parts: list[bytes], headers: dict[str, str]) -> None:
+        super().__init__(None, headers={**headers, "content-length": str(sum(map(len, parts)))})
+        self.parts = parts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for part in self.parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
 
 def _npy(array: np.ndarray) -> bytes:
