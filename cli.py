@@ -457,7 +457,9 @@ then the server exits 0 (a second signal exits at once).""")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
               help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULT_MAX_QUEUE, show_default=True,
-              help="Images waiting (or decoding) per engine; past it a request gets 429 at once.")
+              help="Per engine: images waiting (or decoding) in its batcher, and half the requests the "
+                   "server holds (arrival to response sent, answers being built included); past either a "
+                   "request gets 429 at once.")
 @click.option("--max-wait-ms", type=click.FloatRange(min=0), default=DEFAULT_MAX_WAIT_MS, show_default=True,
               help="How long a decoded image waits for images still decoding to share its forward call "
                    "(a lone image never waits).")

@@ -14,7 +14,8 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward.
 6. Poisson arrivals at --rates x saturation (25, 50, 75 %), --rate-s seconds each: p50 / p99 latency.
 7. Overload: Poisson at 2x saturation for --duration seconds: every request answered 200 or 429, none
-   lost or hung (client timeout REQUEST_TIMEOUT_S), /health 200 afterwards.
+   lost or hung (client timeout REQUEST_TIMEOUT_S), the 429s' p99 (at once: the server holds at most
+   /info's max_requests, and this client opens more connections than that), /health 200 afterwards.
 8. Cache: one image (fixed bytes) --cache-requests times by --concurrency clients: rate, p50, every hit's
    x-inference-time 0, and the server's glmvit_cache_requests counting them.
 9. Soak: Poisson at 50 % of saturation for --soak-minutes: the server's process-tree RSS and the GPU's
@@ -166,7 +167,9 @@ async def poisson(client: httpx.AsyncClient, url: str, sources: list[Bodies], ra
 async def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lone: bytes) -> dict:
     url, rng = server.url, np.random.default_rng(args.seed)
     sources = [Bodies(Path(f).read_bytes(), media_of(f)) for f in files]
-    limits = httpx.Limits(max_connections=args.max_queue + 4 * args.concurrency, max_keepalive_connections=None)
+    # More connections than the server holds requests, so that overload meets its 429s, not this pool's queue
+    held = httpx.get(f"{url}/info").json()["limits"]["max_requests"]
+    limits = httpx.Limits(max_connections=held + 4 * args.concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
         record: dict = {}
         lone_bodies = Bodies(lone, "image/jpeg")
@@ -187,8 +190,11 @@ async def drive(args: argparse.Namespace, server: ServerProcess, files: list[str
 
         results = await poisson(client, url, sources, 2 * sat, args.duration, rng)
         health = (await client.get(f"{url}/health")).status_code
+        refused = [r["latency_s"] for r in results if r["status"] == 429]
         record["overload"] = dict(latency(results), rate=round(2 * sat, 2), seconds=args.duration, health_after=health,
-                                  lost_or_other=sum(r["status"] not in (200, 429) for r in results))
+                                  lost_or_other=sum(r["status"] not in (200, 429) for r in results),
+                                  refused_p99_ms=round(1000 * float(np.percentile(refused, 99)), 2) if refused
+                                  else None)
         print(f"overload: {record['overload']}", flush=True)
 
         before = {k: server.metric("glmvit_cache_requests_total", result=k) for k in ("hit", "miss", "shared")}
@@ -236,8 +242,8 @@ def markdown(r: dict) -> str:
                f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
                                                       if p is half else "") + " |" for p in r["poisson"]],
              f"| overload 2x ({over['rate']:.1f}/s) for {over['seconds']:.0f} s: statuses; lost or other; "
-             f"/health after | {over['statuses']}; {over['lost_or_other']}; {over['health_after']} | "
-             "only 200/429, none lost, 200 |",
+             f"/health after; 429s' p99 ms | {over['statuses']}; {over['lost_or_other']}; {over['health_after']}; "
+             f"{over['refused_p99_ms']} | only 200/429, none lost, 200; 429 at once |",
              f"| cache: one image x {cache['requests']}: requests/s, p50 ms, hits (max x-inference-time ms); "
              f"server's counts | {cache['requests_per_s']:.1f}, {cache['p50_ms']}, {cache['hits']} "
              f"({cache['hit_inference_ms_max']}); {cache['metrics']} | hits at 0 ms |",

@@ -10,9 +10,10 @@ prometheus-client; imported by nothing else in the package).
 A thin layer over the library's batcher (one per engine, `GlmVit.batcher`): requests from every
 connection are decoded on its workers and packed into shared forward calls; results go through the
 encoder cache (encoder_cache.py). Every failure is one status and one line (`HttpError`), and one bad
-request fails alone. A client that disconnects has its queued work cancelled. The first SIGTERM or
-SIGINT drains: /health and new work answer 503 while the accepted requests finish, then uvicorn shuts
-down and the process exits 0 (`DrainingServer`).
+request fails alone. At most 2 x --max-queue requests per engine are held, arrival to response sent;
+past it 429 at once (`Service.admit`). A client that disconnects has its queued work cancelled. The
+first SIGTERM or SIGINT drains: /health and new work answer 503 while the accepted requests finish,
+then uvicorn shuts down and the process exits 0 (`DrainingServer`).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import __version__
 from .encoder_cache import HIT, EncoderCache, image_digest
@@ -56,6 +59,7 @@ log = logging.getLogger("glmvit_cupy.serve")
 
 DEFAULT_PAYLOAD_LIMIT = 32 * 2**20  # bytes of a request body: a large photo as base64 JSON, with room
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
+B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time: 1 MiB of base64, ~1 ms
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
@@ -195,7 +199,8 @@ class Service:
         self.outstanding = [0] * len(self.vits)  # images submitted to each engine's batcher, not yet answered
         self.ready = self.draining = False
         self.failure: str | None = None  # why the engine cannot serve: the server exits (status 1)
-        self.active = 0  # work requests accepted and not yet answered: the drain waits for them
+        self.max_requests = 2 * limits.max_queue * len(self.vits)  # a queue's worth waiting, as many again answered
+        self.active = 0  # work requests held, arrival to response sent: the drain waits for them, 429 past max_requests
 
     def status(self) -> str:
         if self.failure is not None:
@@ -254,9 +259,9 @@ class Service:
         inputs, output, dtype, encoding = _parse_embeddings(body, self.model)
         images = await asyncio.gather(*(self._input_bytes(i, item) for i, item in enumerate(inputs)))
         encoded = await _unless_disconnected(request, self._encode_all(images, output, dtype, timing))
-        # Off the event loop: a real tower's image is megabytes of embedding to encode (base64: ~10 ms)
-        body = await asyncio.to_thread(_embeddings_body, [e.output for e in encoded], output, encoding, self.model)
-        return Response(body, media_type="application/json", headers={"x-cache": ",".join(e.cache for e in encoded)})
+        # Off the event loop: a real tower's image is megabytes of embedding to encode (base64: ~25 ms)
+        parts = await asyncio.to_thread(_embeddings_parts, [e.output for e in encoded], output, encoding, self.model)
+        return _PartsResponse(parts, headers={"x-cache": ",".join(e.cache for e in encoded)})
 
     async def embed(self, request: Request, timing: _Timing) -> Response:
         output = request.query_params.get("output", DEFAULT_OUTPUT)
@@ -292,7 +297,8 @@ class Service:
             "engines": len(self.vits), "fingerprint": vit.fingerprint,
             "geometry": dataclasses.asdict(vit.geometry), "processor": dataclasses.asdict(vit.processor),
             "outputs": list(OUTPUTS), "dtypes": list(DTYPES),
-            "limits": {"max_queue": limits.max_queue, "max_wait_ms": limits.max_wait_ms, "timeout_s": limits.timeout_s,
+            "limits": {"max_queue": limits.max_queue, "max_requests": self.max_requests,
+                       "max_wait_ms": limits.max_wait_ms, "timeout_s": limits.timeout_s,
                        "payload_limit": limits.payload_limit, "cache_bytes": limits.cache_bytes,
                        "allow_files": None if limits.allow_files is None else str(limits.allow_files),
                        "p_max": vit.p_max}})
@@ -382,12 +388,9 @@ class Service:
     def route(self, path: str, handler: Callable[[Request, _Timing], Awaitable[Response]], method: str,
               work: bool) -> Route:
         """`handler` with what every response gets: errors as one line and a status, timing headers, the
-        request counted and logged. `work`: an embedding route (refused while draining; the drain waits
-        for it)."""
+        request counted and logged. `work`: an embedding route (refused while draining; `admit` counts it)."""
         async def endpoint(request: Request) -> Response:
             t0, timing = time.perf_counter(), _Timing()
-            if work:
-                self.active += 1
             try:
                 if work and self.draining:
                     raise HttpError(503, "draining: the server is shutting down; send to another replica")
@@ -401,12 +404,31 @@ class Service:
                 log.error("glmvit-cupy: internal error on %s %s\n%s", method, path, traceback.format_exc().rstrip())
                 line = str(exc).splitlines()[0] if str(exc) else ""
                 response, note = _error(500, f"internal error ({type(exc).__name__}: {line})"), "internal error"
-            finally:
-                if work:
-                    self.active -= 1
             return self.finish(request, path, response, t0, timing, note)
 
         return Route(path, endpoint, methods=[method])
+
+    def admit(self, app: ASGIApp, work_paths: set[str]) -> ASGIApp:
+        """`app` holding at most max_requests work requests, counted from their arrival until their response
+        is sent (so the ones whose responses are being built or written count); past it 429 at once, before
+        the body is read: the HTTP layer, not only the batcher's queue, is bounded (TEI's
+        --max-concurrent-requests). Draining, they pass to the route's 503."""
+        async def admitted(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope["path"] not in work_paths:
+                return await app(scope, receive, send)
+            if self.active >= self.max_requests and not self.draining:
+                request, message = Request(scope, receive), (f"overloaded: the server holds {self.active} requests "
+                                                              f"(max {self.max_requests}): retry later")
+                response = self.finish(request, scope["path"], _error(429, message), time.perf_counter(), _Timing(),
+                                       message)
+                return await response(scope, receive, send)
+            self.active += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.active -= 1
+
+        return admitted
 
     def finish(self, request: Request, route: str, response: Response, t0: float, timing: _Timing,
                note: str) -> Response:
@@ -432,11 +454,10 @@ def create_app(vits: Sequence[Any], *, model: str, directory: Path, limits: Limi
         yield
         await service.stop()
 
-    routes = [service.route("/v1/embeddings", service.embeddings, "POST", work=True),
-              service.route("/embed", service.embed, "POST", work=True),
-              service.route("/health", service.health, "GET", work=False),
-              service.route("/info", service.info, "GET", work=False),
-              service.route("/metrics", service.prometheus, "GET", work=False)]
+    work_paths = {"/v1/embeddings", "/embed"}
+    routes = [service.route(path, handler, method, work=path in work_paths) for path, handler, method in (
+        ("/v1/embeddings", service.embeddings, "POST"), ("/embed", service.embed, "POST"),
+        ("/health", service.health, "GET"), ("/info", service.info, "GET"), ("/metrics", service.prometheus, "GET"))]
     known = ", ".join(f"{next(iter(r.methods - {'HEAD'}))} {r.path}" for r in routes)
 
     async def no_route(request: Request, exc: HTTPException) -> Response:
@@ -446,7 +467,8 @@ def create_app(vits: Sequence[Any], *, model: str, directory: Path, limits: Limi
         response.headers.update(exc.headers or {})
         return service.finish(request, "other", response, time.perf_counter(), _Timing(), message)
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route},
+                    middleware=[Middleware(service.admit, work_paths=work_paths)])
     app.state.service = service
     return app
 
@@ -593,27 +615,56 @@ def _arrays(result: Any, output: str) -> dict[str, np.ndarray]:
     return {name: getattr(result, name) for name in OUTPUTS[output]}
 
 
-def _embeddings_body(results: list[Any], output: str, encoding: str, model: str) -> bytes:
-    """The /v1/embeddings response as JSON bytes. An embedding is nested lists [tokens][dim] (float) or the
+def _embeddings_parts(results: list[Any], output: str, encoding: str, model: str) -> list[bytes]:
+    """The /v1/embeddings response as JSON, in parts to send in order, never joined: a real tower's base64
+    answer is ~22 MB, and each join or concatenation of it is a 22 MB copy (four took ~115 ms of 141 on
+    the dev machine: benchmarks/NOTES.md). An embedding is nested lists [tokens][dim] (float) or the
     row-major bytes of the array in its dtype (base64; little-endian, as every host we run on), spliced in
     as they are: base64 needs no JSON escaping, and json.dumps would scan megabytes for it."""
-    items, tokens = [], 0
+    parts, tokens = [b'{"object": "list", "data": ['], 0
     for i, result in enumerate(results):
         arrays = _arrays(result, output)
         first = next(iter(arrays.values()))
         tokens += first.shape[0]
-        if encoding == "base64":
-            embedded = {name: b'"' + base64.b64encode(np.ascontiguousarray(a).tobytes()) + b'"'
-                        for name, a in arrays.items()}
-        else:
-            embedded = {name: json.dumps(a.astype(np.float32).tolist()).encode() for name, a in arrays.items()}
-        embedding = (b"{" + b",".join(json.dumps(name).encode() + b":" + e for name, e in embedded.items()) + b"}"
-                     if output == "both" else next(iter(embedded.values())))
         head = json.dumps({"object": "embedding", "index": i, "shape": list(first.shape),
                            "grid_thw": result.grid_thw[0].tolist()})
-        items.append(head[:-1].encode() + b', "embedding": ' + embedding + b"}")
+        opening = b"{" if output == "both" else b""
+        parts.append((b", " if i else b"") + head[:-1].encode() + b', "embedding": ' + opening)
+        for j, (name, a) in enumerate(arrays.items()):
+            if output == "both":
+                parts.append((b"," if j else b"") + json.dumps(name).encode() + b":")
+            if encoding == "base64":
+                parts += [b'"', *_base64_parts(a), b'"']
+            else:
+                parts.append(json.dumps(a.astype(np.float32).tolist()).encode())
+        parts.append(b"}}" if output == "both" else b"}")
     tail = json.dumps({"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-    return b'{"object": "list", "data": [' + b", ".join(items) + b"], " + tail[1:].encode()
+    return [*parts, b"], " + tail[1:].encode()]
+
+
+def _base64_parts(array: np.ndarray) -> list[bytes]:
+    """The base64 of the array's bytes, read in place (no copy of a contiguous array) in slices of
+    B64_SLICE bytes: a multiple of 3, so the parts are the whole's base64. Between slices the event loop
+    can take the GIL, which base64 holds, and 1 MiB results reuse freed memory where one of 22 MB is
+    page-faulted in afresh (18 ms against 29 for the whole, on the dev machine)."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
+    return [base64.b64encode(flat[i:i + B64_SLICE]) for i in range(0, flat.size, B64_SLICE)]
+
+
+class _PartsResponse(Response):
+    """A JSON body sent as its parts (`_embeddings_parts`), its length declared up front."""
+
+    media_type = "application/json"
+
+    def __init__(self, parts: list[bytes], headers: dict[str, str]) -> None:
+        super().__init__(None, headers={**headers, "content-length": str(sum(map(len, parts)))})
+        self.parts = parts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for part in self.parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
 
 def _npy(array: np.ndarray) -> bytes:

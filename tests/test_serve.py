@@ -286,6 +286,40 @@ def test_overload_is_429_at_once_and_a_late_image_504(tiny_ckpt):
     assert busy.status_code == 200
 
 
+def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_ckpt):
+    """48 requests of one image while the engine is busy: they share one computation, so the batcher's
+    queue holds one image and only the cap on held requests (2 x --max-queue 2 x 1 engine = 4, the
+    busy one included) can refuse them."""
+    flood, cap = 48, 4
+
+    async def timed(client: httpx.AsyncClient, url: str, body: bytes):
+        t0 = time.perf_counter()
+        try:
+            r = await client.post(url, content=body)
+        except httpx.HTTPError as exc:  # a reset or hung connection: counted, then failed below
+            return type(exc).__name__, time.perf_counter() - t0, None
+        return r.status_code, time.perf_counter() - t0, r
+
+    async def main(server):
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=flood)) as client:
+            busy = await occupy_engine(client, server, seed=70)
+            image = png(64, seed=71)
+            answers = await asyncio.gather(*(timed(client, f"{server.url}/embed", image) for _ in range(flood)))
+            return answers, await busy
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2") as server:
+        assert httpx.get(f"{server.url}/info").json()["limits"]["max_requests"] == cap
+        answers, busy = asyncio.run(main(server))
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert server.metric("glmvit_requests_total", route="/embed", status="429") == flood - (cap - 1)
+    statuses = [status for status, _, _ in answers]
+    assert sorted(set(statuses), key=str) == [200, 429], statuses
+    assert statuses.count(200) == cap - 1 and busy.status_code == 200  # the cap, the busy request included
+    for status, seconds, r in answers:
+        if status == 429:  # at once: the busy forward alone takes ~1.7 s
+            assert seconds < 1.0 and error_of(r).startswith("overloaded: the server holds 4 requests (max 4)")
+    assert len({r.content for status, _, r in answers if status == 200}) == 1
+
+
 def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
     server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1")
     try:
