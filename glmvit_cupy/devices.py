@@ -45,7 +45,7 @@ from .layout import merged_offsets, num_patches
 from .model import KERNELS
 from .preprocess import ProcessorConfig, check_processor
 from .pipeline import StreamTurn
-from .staging import DTYPES, Pending
+from .staging import DTYPES, Pending, check_dtype
 from .workers import Child
 from .writer import create_temp
 
@@ -278,8 +278,7 @@ class EngineGroup:
     def __init__(self, model_dir: str | Path, devices: Sequence[int] | None, backend: str,
                  max_pixels: int | None, processor: ProcessorConfig, outputs: Sequence[str], dtype: str,
                  kernels: str = "auto") -> None:
-        if dtype not in DTYPES:
-            raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        check_dtype(dtype)
         if kernels not in KERNELS:
             raise GlmVitError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
         backend = "cupy" if backend == "auto" else backend

@@ -26,15 +26,14 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 from PIL import Image
 
+from .bf16 import bf16_array
 from .checkpoint import TowerWeights, bind_checkpoint
-from .errors import GlmVitError
+from .errors import GlmVitError, InputError
 from .geometry import GlmVitGeometry, patch_budget
 from .hub import resolve_model
 from .layout import check_grid, merged_offsets, num_patches
-from .bf16 import bf16_array
-from .errors import InputError
 from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS, Decoder, StreamTurn, stream_in_turn
-from .staging import DEFAULT_DTYPE, DTYPES, make_stager
+from .staging import DEFAULT_DTYPE, check_dtype, make_stager
 from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, image_input, processor_config,
                          with_settings)
 
@@ -85,8 +84,7 @@ def check_output_options(output: Any, dtype: Any) -> tuple[str, ...]:
     """The output names an `output` option asks for, once it and `dtype` are checked."""
     if output not in OUTPUTS:
         raise GlmVitError(f"output {output!r}: expected one of {', '.join(OUTPUTS)}")
-    if dtype not in DTYPES:
-        raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     return OUTPUTS[output]
 
 
@@ -201,9 +199,10 @@ class GlmVit:
         """Bind the tower in `path`: a checkpoint directory, or a Hugging Face repo id
         (`org/name`, `org/name@revision`) in the local cache (`hub.resolve_model`). `max_pixels`
         is the pixel budget of one forward call (all images together) and sizes the GPU
-        scratch (default: one image at the processor's max_image_tokens); `attention` ("flash" or "naive", the materialised-score cross-check; default:
-        the engine's choice for the head_dim), `device` (a CUDA device index; default: the
-        current one) and `kernels` (one of KERNELS) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
+        scratch (default: one image at the processor's max_image_tokens); `attention` ("flash"
+        or "naive", the materialised-score cross-check; default: the engine's choice for the
+        head_dim), `device` (a CUDA device index; default: the current one) and `kernels` (one
+        of KERNELS) apply to the GPU engine. `processor_settings` (ProcessorConfig fields; None
         leaves one alone) override the checkpoint's preprocessor_config.json."""
         _check_type("path", path, (str, os.PathLike), "a checkpoint directory or a repo id (str or Path)")
         _check_options(max_pixels, attention, device, kernels)  # before the tower is read

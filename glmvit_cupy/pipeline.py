@@ -10,8 +10,9 @@ batches are on the engine, and results leave in input order as soon as the image
 them are done, so memory does not grow with the collection. Workers hand over the uint8
 canvas (preprocess.canvas); the engine patchifies it itself (staging.py). Workers are
 processes (workers.Child: fresh interpreters that die with their parent): the decode is
-CPU-bound Python/PIL, and a fork of a process that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's collection runs
-(`encode_collection`) are both built on `stream`.
+CPU-bound Python/PIL, and a fork of a process that holds a CUDA context is not safe.
+`GlmVit.encode_iter` and the CLI's collection runs (`encode_collection`) are both built on
+`stream`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .geometry import check_patch_budget
 from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
-from .staging import DTYPES, OUTPUT_NAMES, make_stager
+from .staging import OUTPUT_NAMES, check_dtype, make_stager
 from .workers import Child, usable_cpus
 
 DEFAULT_WORKERS = max(1, usable_cpus() - 1)  # all usable cores but one: the engine's host thread
@@ -113,6 +114,10 @@ def item_name(item: Any) -> str:
     return str(item) if isinstance(item, (str, Path)) else getattr(item, "name", f"a {type(item).__name__}")
 
 
+def _decode_child() -> Child:
+    return Child(_decode_worker, (), "glmvit-cupy decode")
+
+
 class DecodePool:
     """`workers` decode processes (workers.Child), each fed by a thread of its own that sends it
     one input at a time. A worker that dies (the OOM killer, a crash in a decoder) is replaced
@@ -132,7 +137,7 @@ class DecodePool:
         return future
 
     def _feed(self) -> None:
-        child = Child(_decode_worker, (), "glmvit-cupy decode")  # started now: up before the first input
+        child = _decode_child()  # started now: up before the first input
         try:
             while (task := self.tasks.get()) is not None:
                 future, item, processor = task
@@ -143,7 +148,7 @@ class DecodePool:
                 except Exception as exc:  # a bug, not the input: this input's error; the worker is made anew
                     future.set_exception(exc)
                     child.close(0)
-                    child = Child(_decode_worker, (), "glmvit-cupy decode")
+                    child = _decode_child()
                     continue
                 future.set_result(result)
         finally:
@@ -159,7 +164,7 @@ class DecodePool:
                 return _receive_prepared(child.conn), child
             except (EOFError, OSError):  # the worker died under this input
                 child.close(0)
-                child = Child(_decode_worker, (), "glmvit-cupy decode")
+                child = _decode_child()
         return Prepared(None, f"{item_name(item)}: its decode worker process died twice (killed, or out of memory "
                               "while decoding it)"), child
 
@@ -305,8 +310,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
     processes)."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
-    if dtype not in DTYPES:
-        raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     stats = stats if stats is not None else StreamStats()
     stager = stager or make_stager(vit, processor)
     for engine in range(stager.engines):

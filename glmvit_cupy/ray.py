@@ -36,7 +36,7 @@ from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
 from .errors import GlmVitError
-from .pipeline import DEFAULT_OUTPUT, OUTPUTS, Decoder, shard_metadata, stream
+from .pipeline import DEFAULT_OUTPUT, Decoder, shard_metadata, stream
 from .shards import DEFAULT_SHARD_SIZE, FAILURES, ShardWriter
 from .sources import Source
 from .staging import DEFAULT_DTYPE, DTYPES, make_stager
@@ -93,12 +93,9 @@ class GlmVitEmbedder:
     def __init__(self, model: str, *, backend: str = "auto", output: str = DEFAULT_OUTPUT, dtype: str = DEFAULT_DTYPE,
                  max_pixels: int | None = None, kernels: str = "auto", gpu_memory_fraction: float | None = None,
                  workers: int = 0, min_image_tokens: int | None = None, max_image_tokens: int | None = None) -> None:
-        from .model import GlmVit, gpu_available
+        from .model import GlmVit, check_output_options, gpu_available
 
-        if output not in OUTPUTS:
-            raise GlmVitError(f"output {output!r}: expected one of {', '.join(OUTPUTS)}")
-        if dtype not in DTYPES:
-            raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        outputs = check_output_options(output, dtype)
         if backend != "numpy" and gpu_available()[0]:
             import cupy
 
@@ -107,7 +104,7 @@ class GlmVitEmbedder:
             cupy.get_default_memory_pool().set_limit(fraction=min(1.0, fraction))  # before the engine allocates
         self.vit = GlmVit.from_pretrained(model, backend=backend, max_pixels=max_pixels, kernels=kernels,
                                           min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
-        self.outputs, self.dtype = OUTPUTS[output], dtype
+        self.outputs, self.dtype = outputs, dtype
         processor = self.vit.processor
         # threads: Ray kills an actor's child processes before its shutdown hook runs, so a
         # process pool could not be closed, and its semaphores' cleanup printed tracebacks

@@ -42,6 +42,12 @@ OUTPUT_NAMES = ("pooler_output", "last_hidden_state")
 _ALIGN = 256
 
 
+def check_dtype(dtype: object) -> None:
+    """Refuse, in one line, an output dtype not among DTYPES."""
+    if dtype not in DTYPES:
+        raise GlmVitError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+
+
 def host_cast(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 -> the output dtype on the host (BF16 as its uint16 bits, rounded to nearest even)."""
     if dtype == "bfloat16":
