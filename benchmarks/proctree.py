@@ -43,3 +43,29 @@ def tree_memory(pid: int, own: bool = False) -> tuple[int, int, int]:
         if member != pid:
             largest = max(largest, hwm)
     return total, largest, alive
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) each thread of the process has used ('main' or 'thread TID'); the process's
+    whole tree summed under 'tree'. Read twice, the differences say which thread is the bottleneck."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def seconds(stat: str) -> float:
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        out["main" if int(tid) == pid else f"thread {tid}"] = seconds(stat)
+    tree = 0.0
+    for member in process_tree(pid):
+        try:
+            tree += seconds(Path(f"/proc/{member}/stat").read_text())
+        except OSError:
+            continue
+    out["tree"] = tree
+    return out

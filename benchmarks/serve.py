@@ -4,14 +4,17 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 1. Images: e2e.py's collection of real photographs (benchmarks/photos.py), those of long side at most
    1,024 px (the collection's long sides are 320-1,600 px; about 55% of its --images photos qualify).
    Every request is `POST /v1/embeddings` with one image as a data:image/...;base64, URL and
-   "encoding_format": "base64" (pooler output, float32), and every request's image bytes are distinct
-   (9 bytes after the image's end, which decoders ignore), so nothing is a cache hit unless step 7
-   means it.
+   "encoding_format": "base64" (pooler output, the server's default dtype), and every request's image
+   bytes are distinct (9 bytes after the image's end, which decoders ignore), so nothing is a cache hit
+   unless step 8 means it. The load comes from --clients processes (an asyncio httpx client each,
+   sharing each step's concurrency or rate): one Python client reading hundreds of MB/s of answers
+   would measure itself, not the server.
 2. Forward only: e2e.forward_only on the same files in this process (pipeline packing, pixels on the
    device, back to back), and the forward of the lone request's 448x448 grid alone; freed before step 3.
 3. The server (tests/serving.py): `glmvit-cupy serve --model M --backend B --max-queue Q`, healthy.
 4. Lone: --lone requests of a 448x448 photo, one at a time: p50 / p99 latency, against the forward.
-5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward.
+5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward;
+   the CPU the server's busiest thread (its event loop) and its whole process tree used meanwhile.
 6. Poisson arrivals at --rates x saturation (25, 50, 75 %), --rate-s seconds each: p50 / p99 latency.
 7. Overload: Poisson at 2x saturation for --duration seconds: every request answered 200 or 429, none
    lost or hung (client timeout REQUEST_TIMEOUT_S), the 429s' p99 (at once: the server holds at most
@@ -34,18 +37,23 @@ import argparse
 import asyncio
 import base64
 import io
+import multiprocessing
+import os
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from e2e import benchmark_main, environment, forward_only, load_collection, save  # puts the repo on sys.path
-from proctree import tree_memory
+from proctree import thread_cpu, tree_memory
 from soak import flatness, gpu_used_mib
 
 import httpx  # the [serve] extra
-from serving import ServerProcess  # tests/, on sys.path through e2e
+from serving import ServerProcess, die_with_parent  # tests/, on sys.path through e2e
 
 from glmvit_cupy import GlmVit, preprocess
 from glmvit_cupy.preprocess import ProcessorConfig
@@ -60,7 +68,8 @@ TARGETS = {"saturation_over_forward": 0.8, "lone_p50_over_forward_ms": 3.0, "p99
 
 class Bodies:
     """Request bodies of one image with distinct bytes each: the image padded to a multiple of 3 bytes,
-    so its base64 is computed once and a nonce's base64 appended."""
+    so its base64 is computed once and a nonce's base64 appended (the process id in it: client processes
+    never repeat each other's bytes)."""
 
     def __init__(self, data: bytes, media: str) -> None:
         padded = data + b"\0" * (-len(data) % 3)
@@ -70,7 +79,8 @@ class Bodies:
 
     def next(self) -> bytes:
         self.count += 1
-        return (self.head + base64.b64encode(self.count.to_bytes(9, "little")).decode() + '"]}').encode()
+        nonce = (os.getpid() << 40 | self.count).to_bytes(9, "little")
+        return (self.head + base64.b64encode(nonce).decode() + '"]}').encode()
 
 
 def media_of(path: str) -> str:
@@ -132,7 +142,7 @@ def latency(results: list[dict]) -> dict:
                 p99_ms=round(1000 * float(np.percentile(ok, 99)), 2) if ok else None)
 
 
-async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], concurrency: int) -> tuple[list, float]:
+async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], concurrency: int) -> list[dict]:
     """`concurrency` clients, each sending the next body as soon as its last is answered."""
     todo = iter(bodies)
     results: list[dict] = []
@@ -140,56 +150,125 @@ async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], 
     async def worker() -> None:
         for body in todo:
             results.append(await post(client, url, body))
-    t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results, time.perf_counter() - t0
+    return results
 
 
 async def poisson(client: httpx.AsyncClient, url: str, sources: list[Bodies], rate: float, seconds: float,
-                  rng: np.random.Generator, sample=None) -> list[dict]:
+                  rng: np.random.Generator) -> list[dict]:
     """Open loop: arrivals at `rate` a second (exponential gaps) for `seconds`, each a random image's next
-    body; waits for every answer. `sample(t)` is called every SAMPLE_S."""
-    tasks, t0 = [], time.perf_counter()
-    at, next_sample = 0.0, 0.0
+    body; waits for every answer."""
+    tasks, t0, at = [], time.perf_counter(), 0.0
     while at < seconds:
         now = time.perf_counter() - t0
-        if sample is not None and now >= next_sample:
-            sample(now)
-            next_sample += SAMPLE_S
         if at > now:
-            await asyncio.sleep(min(at - now, SAMPLE_S))
+            await asyncio.sleep(at - now)
             continue
         tasks.append(asyncio.ensure_future(post(client, url, sources[rng.integers(len(sources))].next())))
         at += rng.exponential(1 / rate)
     return list(await asyncio.gather(*tasks))
 
 
-async def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lone: bytes) -> dict:
-    url, rng = server.url, np.random.default_rng(args.seed)
-    sources = [Bodies(Path(f).read_bytes(), media_of(f)) for f in files]
-    # More connections than the server holds requests, so that overload meets its 429s, not this pool's queue
+_client: dict = {}  # a client process's state (`_client_start`)
+
+
+def _client_start(url: str, files: list[str], connections: int, seed: int) -> None:
+    """A client process: dies with the benchmark, keeps every image's request bodies ready."""
+    die_with_parent()
+    _client.update(url=url, connections=connections, sources=[Bodies(Path(f).read_bytes(), media_of(f)) for f in files],
+                   rng=np.random.default_rng([seed, os.getpid()]))
+
+
+def _client_step(step: str, arg: Any, share: int) -> list[dict]:
+    """One client process's part of a step: `share` of its concurrency (closed loops) or rate (Poisson)."""
+    async def go() -> list[dict]:
+        limits = httpx.Limits(max_connections=_client["connections"], max_keepalive_connections=None)
+        async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
+            url, sources = _client["url"], _client["sources"]
+            if step == "lone":
+                lone = Bodies(arg, "image/jpeg")
+                return [await post(client, url, lone.next()) for _ in range(share)]
+            if step == "closed":  # arg: (indices into the files, or one body), requests
+                bodies = [sources[i].next() for i in arg] if isinstance(arg, list) else [arg] * share[1]
+                return await closed_loop(client, url, bodies, share[0])
+            rate, seconds = arg
+            return await poisson(client, url, sources, rate, seconds, _client["rng"])
+    return asyncio.run(go())
+
+
+class Load:
+    """The load generator: `procs` client processes (spawned: the benchmark process holds a CUDA context),
+    each step split among them and their results joined."""
+
+    def __init__(self, url: str, files: list[str], procs: int, connections: int, seed: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = procs
+        self.pool = ProcessPoolExecutor(procs, mp_context=ctx, initializer=_client_start,
+                                        initargs=(url, files, max(1, connections // procs) + 4, seed))
+        list(self.pool.map(time.sleep, [0.5] * procs))  # every process started before the first step
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def one(self, step: str, arg: Any, share: Any) -> list[dict]:
+        return self.pool.submit(_client_step, step, arg, share).result()
+
+    def split(self, step: str, args: list, shares: list) -> tuple[list[dict], float]:
+        """(every result, wall seconds) of one part a process, all started at once."""
+        t0 = time.perf_counter()
+        parts = [self.pool.submit(_client_step, step, arg, share) for arg, share in zip(args, shares)]
+        results = [r for part in parts for r in part.result()]
+        return results, time.perf_counter() - t0
+
+    def closed(self, files: int | bytes, concurrency: int, requests: int = 0) -> tuple[list[dict], float]:
+        """Every file once (files: their count) or one body `requests` times, by `concurrency` clients."""
+        k = self.procs
+        each = [concurrency // k + (i < concurrency % k) for i in range(k)]
+        if isinstance(files, int):
+            return self.split("closed", [list(range(i, files, k)) for i in range(k)], [(c, 0) for c in each])
+        counts = [requests // k + (i < requests % k) for i in range(k)]
+        return self.split("closed", [files] * k, [(c, n) for c, n in zip(each, counts)])
+
+    def poisson(self, rate: float, seconds: float) -> list[dict]:
+        return self.split("poisson", [(rate / self.procs, seconds)] * self.procs, [None] * self.procs)[0]
+
+
+def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """The server's CPU over `wall` seconds: its three busiest threads' shares of a core (`main` runs the
+    event loop), its process's and its tree's cores."""
+    threads = {name: after[name] - before.get(name, 0.0) for name in after if name != "tree"}
+    top = sorted(threads, key=threads.__getitem__, reverse=True)[:3]
+    return dict(threads={name: round(threads[name] / wall, 3) for name in top},
+                process_cores=round(sum(threads.values()) / wall, 2),
+                tree_cores=round((after["tree"] - before["tree"]) / wall, 2))
+
+
+def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lone: bytes) -> dict:
+    url = server.url
+    # More connections than the server holds requests, so that overload meets its 429s, not a pool's queue
     held = httpx.get(f"{url}/info").json()["limits"]["max_requests"]
-    limits = httpx.Limits(max_connections=held + 4 * args.concurrency, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
-        record: dict = {}
-        lone_bodies = Bodies(lone, "image/jpeg")
-        record["lone"] = latency([await post(client, url, lone_bodies.next()) for _ in range(args.lone)])
+    load = Load(url, files, args.clients, held + 4 * args.concurrency, args.seed)
+    try:
+        record: dict = {"clients": args.clients}
+        record["lone"] = latency(load.one("lone", lone, args.lone))
         print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
 
-        results, wall = await closed_loop(client, url, [s.next() for s in sources], args.concurrency)
+        cpu = thread_cpu(server.proc.pid)
+        results, wall = load.closed(len(files), args.concurrency)
         sat = len(files) / wall
         record["saturation"] = dict(latency(results), wall_s=round(wall, 2), images_per_s=round(sat, 2),
-                                    concurrency=args.concurrency)
+                                    concurrency=args.concurrency,
+                                    server_cpu=_busy(cpu, thread_cpu(server.proc.pid), wall))
         print(f"saturation: {record['saturation']}", flush=True)
 
         record["poisson"] = []
         for share in args.rates:
-            results = await poisson(client, url, sources, share * sat, args.rate_s, rng)
+            results = load.poisson(share * sat, args.rate_s)
             record["poisson"].append(dict(latency(results), share=share, rate=round(share * sat, 2)))
             print(f"poisson {share:.0%}: {record['poisson'][-1]}", flush=True)
 
-        results = await poisson(client, url, sources, 2 * sat, args.duration, rng)
-        health = (await client.get(f"{url}/health")).status_code
+        results = load.poisson(2 * sat, args.duration)
+        health = httpx.get(f"{url}/health").status_code
         refused = [r["latency_s"] for r in results if r["status"] == 429]
         record["overload"] = dict(latency(results), rate=round(2 * sat, 2), seconds=args.duration, health_after=health,
                                   lost_or_other=sum(r["status"] not in (200, 429) for r in results),
@@ -199,7 +278,7 @@ async def drive(args: argparse.Namespace, server: ServerProcess, files: list[str
 
         before = {k: server.metric("glmvit_cache_requests_total", result=k) for k in ("hit", "miss", "shared")}
         same = Bodies(lone + b"cache", "image/jpeg").next()  # bytes no earlier request sent
-        results, wall = await closed_loop(client, url, [same] * args.cache_requests, args.concurrency)
+        results, wall = load.closed(same, args.concurrency, args.cache_requests)
         after = {k: server.metric("glmvit_cache_requests_total", result=k) - before[k] for k in before}
         hits = [r for r in results if r.get("cache") == "hit"]
         record["cache"] = dict(latency(results), requests_per_s=round(len(results) / wall, 2), hits=len(hits),
@@ -208,34 +287,51 @@ async def drive(args: argparse.Namespace, server: ServerProcess, files: list[str
         print(f"cache: {record['cache']}", flush=True)
 
         samples: list[dict] = []
-        pid = server.proc.pid
+        pid, seconds, t0 = server.proc.pid, 60 * args.soak_minutes, time.perf_counter()
+        stop = threading.Event()
 
-        def sample(t: float) -> None:
-            samples.append(dict(t=round(t, 1), server_tree_rss_mib=round(tree_memory(pid)[0] / 1024, 1),
-                                gpu_used_mib=gpu_used_mib()))
-        seconds = 60 * args.soak_minutes
-        results = await poisson(client, url, sources, 0.5 * sat, seconds, rng, sample)
-        sample(seconds)
+        def sample() -> None:
+            while True:
+                samples.append(dict(t=round(time.perf_counter() - t0, 1),
+                                    server_tree_rss_mib=round(tree_memory(pid)[0] / 1024, 1),
+                                    gpu_used_mib=gpu_used_mib()))
+                if stop.wait(SAMPLE_S):
+                    return
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            results = load.poisson(0.5 * sat, seconds)
+        finally:
+            stop.set()
+            sampler.join()
         record["soak"] = dict(latency(results), minutes=args.soak_minutes, rate=round(0.5 * sat, 2),
                               errors=sum(r["status"] != 200 for r in results), samples=samples,
                               flat={s: flatness(samples, s, seconds, rule) for s, rule in SOAK_FLAT.items()})
         print(f"soak: { {k: v for k, v in record['soak'].items() if k != 'samples'} }", flush=True)
+    finally:
+        load.close()
     return record
 
 
 def markdown(r: dict) -> str:
     fwd, env, lone, sat = r["forward_only"], r["env"], r["lone"], r["saturation"]
+    cpu = sat["server_cpu"]
     half = next((p for p in r["poisson"] if p["share"] == 0.5), None)
     over, cache, soak = r["overload"], r["cache"], r["soak"]
     flat = ", ".join(f"{s} {'flat' if f['flat'] else 'GROWS'} ({f['first_minute_max']:.0f} -> "
                      f"{f['last_minute_max']:.0f})" if f else f"{s} n/a (too short)" for s, f in soak["flat"].items())
     lines = [f"{env['date']}, {env['device']}, {env['cpus']} CPUs, backend {r['backend']}; {r['images']} photos of "
-             f"long side <= {LONG_SIDE_MAX} px, base64 responses, --max-queue {r['max_queue']}", "",
+             f"long side <= {LONG_SIDE_MAX} px, base64 responses, --max-queue {r['max_queue']}, {r['clients']} client "
+             "processes", "",
              "| measure | value | target |", "| --- | --- | --- |",
              f"| forward only, images/s | {fwd['images_per_s']:.1f} | |",
              f"| saturation ({sat['concurrency']} clients), images/s | {sat['images_per_s']:.1f} | |",
              f"| saturation / forward only | {r['saturation_over_forward']:.2f}x | "
              f">= {TARGETS['saturation_over_forward']}x |",
+             f"| meanwhile the server's busiest threads (shares of a core; main: the event loop); its process "
+             f"and its tree (decode workers included), cores | "
+             f"{', '.join(f'{t} {c:.2f}' for t, c in cpu['threads'].items())}; {cpu['process_cores']:.2f}; "
+             f"{cpu['tree_cores']:.2f} | |",
              f"| lone {LONE_SIDE}x{LONE_SIDE}: p50 / p99 ms (its forward {r['lone_forward_ms']:.2f} ms) | "
              f"{lone['p50_ms']} / {lone['p99_ms']} | p50 <= forward + {TARGETS['lone_p50_over_forward_ms']:.0f} ms |",
              *[f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "
@@ -271,7 +367,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
 
     with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
                        ready_s=600) as server:
-        record = asyncio.run(drive(args, server, files, lone))
+        record = drive(args, server, files, lone)
         status = server.stop(timeout_s=REQUEST_TIMEOUT_S)
     record.update(backend=args.backend, images=len(files), max_queue=args.max_queue, forward_only=fwd,
                   lone_forward_ms=round(lone_forward, 3), server_exit=status,
@@ -282,6 +378,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
 
 def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="clients of the closed loops (saturation, cache)")
+    ap.add_argument("--clients", type=int, default=4, help="client processes sharing the load [default: 4]")
     ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75],
                     help="Poisson rates as shares of saturation [default: 0.25,0.5,0.75]")

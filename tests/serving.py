@@ -19,7 +19,7 @@ _LISTENING = re.compile(r"serving .* on (http://127\.0\.0\.1:\d+);")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -29,7 +29,7 @@ class ServerProcess:
     def __init__(self, *args: str, ready_s: float = 60.0) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "serve", "--host", "127.0.0.1",
                                       "--port", "0", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+                                     stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
         self.model = args[args.index("--model") + 1]  # as the server names it
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
