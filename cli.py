@@ -30,6 +30,7 @@ from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
 from glmvit_cupy.video import VIDEO_EXTENSIONS
 from glmvit_cupy.writer import write_atomic
 
+PAYLOAD_LIMIT = 32 * 2**20  # serve --payload-limit: a large photo as base64 JSON, with room
 MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
               "org/name[@revision] already in the local cache (never downloaded).")
 
@@ -468,8 +469,9 @@ then the server exits 0 (a second signal exits at once).""")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
               help="Pixel budget of one forward call, all images packed into it together (sizes the "
                    f"GPU scratch). [default: one image of {MAX_IMAGE_TOKENS} merged tokens]")
-@click.option("--payload-limit", type=click.IntRange(min=1), default=None,
-              help="Largest request body (and --allow-files file), bytes; past it 413. [default: 32 MiB]")
+@click.option("--payload-limit", type=click.IntRange(min=1), default=PAYLOAD_LIMIT,
+              show_default=f"{PAYLOAD_LIMIT // 2**20} MiB",
+              help="Largest request body (and --allow-files file), bytes; past it 413.")
 @click.option("--cache-bytes", type=click.IntRange(min=0), default=DEFAULT_CACHE_BYTES, show_default=True,
               help="Encoder cache (results by sha256 of the image bytes), LRU within this many bytes; 0: "
                    "keep none.")
@@ -484,7 +486,7 @@ then the server exits 0 (a second signal exits at once).""")
 @processor_options
 @user_errors
 def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, max_wait_ms: float, timeout_s: float,
-          max_pixels: int | None, payload_limit: int | None, cache_bytes: int, allow_files: Path | None,
+          max_pixels: int | None, payload_limit: int, cache_bytes: int, allow_files: Path | None,
           devices: str | None, kernels: str, min_image_tokens: int | None, max_image_tokens: int | None) -> None:
     """Serve embeddings over HTTP (the [serve] extra).
 
@@ -506,7 +508,7 @@ def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, ma
 
     directory = resolve_model(model_dir)
     limits = server.Limits(max_queue=max_queue, max_wait_ms=max_wait_ms, timeout_s=timeout_s,
-                           payload_limit=server.DEFAULT_PAYLOAD_LIMIT if payload_limit is None else payload_limit,
+                           payload_limit=payload_limit,
                            cache_bytes=cache_bytes,
                            allow_files=None if allow_files is None else allow_files.resolve())
     sock = server.listen(host, port)  # a port in use is refused before the tower is read

@@ -161,6 +161,12 @@ class NumpyTower:
         return last_hidden, by_rows(rows, last_hidden, ROW_BLOCK)
 
     def forward(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # NumPy's overflow warnings are left out, not the overflow: every caller checks the outputs for
+        # NaN/Inf and fails the image in one line naming it; the warnings would add source lines to a log.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._forward(pixel_values, grid_thw)
+
+    def _forward(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         geo = self.geo
         check_patch_budget(geo, num_patches(grid_thw), self.p_max, "this forward call")
         cos, sin = rope_tables(block_major_positions(grid_thw, geo.spatial_merge_size), self.inv_freq)

@@ -26,6 +26,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import re
 import socket
 import time
@@ -57,7 +58,7 @@ from .writer import safetensors_chunks
 
 log = logging.getLogger("glmvit_cupy.serve")
 
-DEFAULT_PAYLOAD_LIMIT = 32 * 2**20  # bytes of a request body: a large photo as base64 JSON, with room
+WARMUP_SIDE = 448  # pixels of the warm-up photograph's sides, unless the budget (--max-pixels) is smaller
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
 B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time: 1 MiB of base64, ~1 ms
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
@@ -222,7 +223,9 @@ class Service:
         """One encode on every engine before /health says 200 (a GPU engine's first call of a grid
         builds its kernels' tables and graph)."""
         t0 = time.perf_counter()
-        image = photo_like(448, 448)
+        config = self.vits[0].processor  # the largest square up to WARMUP_SIDE within one forward call's budget
+        side = min(WARMUP_SIDE, config.patch_size * config.merge_size * (math.isqrt(self.vits[0].p_max) // config.merge_size))
+        image = photo_like(side, side)
         while True:
             try:
                 await asyncio.gather(*(b.aencode(image) for b in self.batchers))
@@ -261,7 +264,7 @@ class Service:
         encoded = await _unless_disconnected(request, self._encode_all(images, output, dtype, timing))
         # Off the event loop: a real tower's image is megabytes of embedding to encode (base64: ~25 ms)
         parts = await asyncio.to_thread(_embeddings_parts, [e.output for e in encoded], output, encoding, self.model)
-        return _PartsResponse(parts, headers={"x-cache": ",".join(e.cache for e in encoded)})
+        return _PartsResponse(parts, {"x-cache": ",".join(e.cache for e in encoded)})
 
     async def embed(self, request: Request, timing: _Timing) -> Response:
         output = request.query_params.get("output", DEFAULT_OUTPUT)
@@ -282,9 +285,9 @@ class Service:
             return Response(_npy(next(iter(arrays.values()))), media_type=MEDIA_NPY, headers=headers)
         tensors = {**arrays, "grid_thw": one.output.grid_thw}
         specs = [(name, SAFETENSORS_DTYPES[a.dtype.name], list(a.shape)) for name, a in tensors.items()]
-        data = (np.ascontiguousarray(a).view(np.uint8).data for a in tensors.values())  # bfloat16 has no buffer format
-        body = b"".join(safetensors_chunks(specs, data, "/embed"))
-        return Response(body, media_type=MEDIA_SAFETENSORS, headers=headers)
+        # flat uint8: bfloat16 has no buffer format, and the server's len() of a part must be its bytes
+        data = (np.ascontiguousarray(a).reshape(-1).view(np.uint8).data for a in tensors.values())
+        return _PartsResponse(list(safetensors_chunks(specs, data, "/embed")), headers, MEDIA_SAFETENSORS)
 
     async def health(self, request: Request, timing: _Timing) -> Response:
         status = self.status()
@@ -652,12 +655,12 @@ def _base64_parts(array: np.ndarray) -> list[bytes]:
 
 
 class _PartsResponse(Response):
-    """A JSON body sent as its parts (`_embeddings_parts`), its length declared up front."""
+    """A body sent as its parts, never joined (a real tower's answer is megabytes: each join a copy of
+    it), its length declared up front."""
 
-    media_type = "application/json"
-
-    def __init__(self, parts: list[bytes], headers: dict[str, str]) -> None:
-        super().__init__(None, headers={**headers, "content-length": str(sum(map(len, parts)))})
+    def __init__(self, parts: list[Any], headers: dict[str, str], media_type: str = "application/json") -> None:
+        super().__init__(None, headers={**headers, "content-length": str(sum(len(p) for p in parts))},
+                         media_type=media_type)
         self.parts = parts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -26,10 +26,12 @@ def die_with_parent() -> None:
 class ServerProcess:
     """`glmvit-cupy serve --host 127.0.0.1 --port 0 ARGS...`, healthy once the constructor returns."""
 
-    def __init__(self, *args: str, ready_s: float = 60.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "serve", "--host", "127.0.0.1",
-                                      "--port", "0", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    def __init__(self, *args: str, ready_s: float = 60.0, prelude: str = "") -> None:
+        """`prelude`: Python run in the server process before the CLI (a test's fault injection)."""
+        self.proc = subprocess.Popen([sys.executable, "-c", f"{prelude}\nimport cli; cli.main()", "serve",
+                                      "--host", "127.0.0.1", "--port", "0", *args], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=die_with_parent)
         self.model = args[args.index("--model") + 1]  # as the server names it
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

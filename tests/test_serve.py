@@ -23,6 +23,8 @@ pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 
 import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
+from glmvit_cupy.checkpoint import locate_tower  # noqa: E402
+from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess  # noqa: E402
 from test_cli import assert_clean_failure, run  # noqa: E402
@@ -346,6 +348,66 @@ def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
         assert "Traceback" not in server.log()
     finally:
         server.stop()
+
+
+def test_over_the_budget_or_non_finite_is_422_and_the_server_serves_on(tmp_path):
+    """A server whose forward call holds 160 patches (it warms up within them) answers 422 naming the
+    input for an image over them, and for an image whose embedding overflows: one weight set so large
+    (the patch embedding's red tap, as test_api's overflow test) that only a pure white pixel overflows
+    float32, the warm-up photograph's brightest (252) does not. Good images around them get 200."""
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, layout="vision-only")
+    entry = locate_tower(ckpt).entries["patch_embed.proj.weight"]
+    with open(entry.shard, "r+b") as f:
+        f.seek(entry.offset)
+        f.write(np.uint16(0x7F06).tobytes())  # 1.78e38: x (255 normalised: 1.93) overflows, x (252: 1.89) not
+    white = io.BytesIO()
+    Image.new("RGB", (56, 84), "white").save(white, "PNG")
+    with ServerProcess("--model", str(ckpt), "--backend", "numpy", "--max-pixels", str(28 * 28 * 40)) as server:
+        url = server.url
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": [data_url(png(56, 1)), data_url(png(28 * 20, 2))]})
+        assert r.status_code == 422 and error_of(r).startswith("input 1: ") and "exceed p_max 160" in error_of(r)
+        r = httpx.post(f"{url}/embed", content=white.getvalue())
+        assert r.status_code == 422 and error_of(r) == "body: image: the embedding has non-finite values (NaN or Inf)"
+        assert httpx.post(f"{url}/embed", content=png(56, 3)).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert server.metric("glmvit_requests_total", route="/embed", status="422") == 1
+    assert "Traceback" not in server.log() and "Warning" not in server.log()  # the 422's line says it all
+
+
+# In the server process: a GPU fault (the error faults.synchronize raises) in the forward of any batch
+# holding an image wider than the warm-up's 448 pixels; everything else computes.
+_FAULT_ON_WIDE = """
+import glmvit_cupy.staging as staging
+from glmvit_cupy.errors import GlmVitError
+real = staging.NumpyStager.submit
+def submit(self, canvases, *rest):
+    if any(c.shape[1] > 448 for c in canvases):
+        raise GlmVitError("the GPU failed in the forward: an illegal memory access was encountered; restart the process")
+    return real(self, canvases, *rest)
+staging.NumpyStager.submit = submit
+"""
+
+
+def test_an_engine_failure_is_500_then_health_503_and_the_server_exits_1(tiny_ckpt):
+    """The engine's own failure (a GPU fault leaves the process's CUDA context unusable) is no client's
+    mistake: 500 naming it, /health stops saying 200, and the process exits 1 for its supervisor to
+    restart it, instead of answering every later request with the same fault."""
+    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", prelude=_FAULT_ON_WIDE)
+    try:
+        assert httpx.post(f"{server.url}/embed", content=png(56, 4)).status_code == 200
+        r = httpx.post(f"{server.url}/embed", content=png((56, 560), 5))
+        assert r.status_code == 500, r.text
+        assert error_of(r).startswith("body: the engine failed: the GPU failed in the forward: an illegal memory")
+        try:
+            health = httpx.get(f"{server.url}/health")
+            assert health.status_code == 503 and health.json()["status"].startswith("failed: the engine failed")
+        except httpx.ConnectError:  # already gone
+            pass
+        assert server.proc.wait(30) == 1
+    finally:
+        server.stop()
+    assert "error: the engine failed: the GPU failed in the forward" in server.log()
+    assert "Traceback" not in server.log()
 
 
 def test_port_in_use_and_missing_extra_are_one_line(tiny_ckpt):
