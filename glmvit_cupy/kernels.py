@@ -32,7 +32,8 @@ from .kernel_source import constants, cuda_source_dir, load_source, required_arc
 QKNORM_HEAD_DIMS = (16, 32, 64, 128, 256)  # rope.cu's qknorm_rope: hd / 8 lanes a head, within a warp
 
 
-def _module(src: Path, name: str) -> cupy.RawModule:
+def compile_module(src: Path, name: str) -> cupy.RawModule:
+    """src/NAME.cu as a RawModule, for the target its `// requires:` line names or the device's own."""
     source = load_source(src / f"{name}.cu")
     arch = required_arch(source)
     options = ("--std=c++17",) + ((f"-arch={arch}",) if arch else ())
@@ -69,7 +70,8 @@ class TensorMaps:
         return out.view(np.uint8).copy()
 
 
-def _grid(n: int, block: int, cap: int = 65536) -> tuple[int]:
+def grid_1d(n: int, block: int, cap: int = 65536) -> tuple[int]:
+    """Blocks of `block` threads for n items, at most `cap` (the grid-stride loops do the rest)."""
     return (max(1, min(cap, -(-n // block))),)
 
 
@@ -96,7 +98,7 @@ class Kernels:
                  self._flash_module: tuple(flash.kernel_name(self._flash_module, bm) for bm in self.flash_bms)}
         if self.hopper:
             names["gemm_swiglu_sm90"] = ("gemm_swiglu_sm90",)
-        self._f = {name: _module(src, mod).get_function(name) for mod, funcs in names.items() for name in funcs}
+        self._f = {name: compile_module(src, mod).get_function(name) for mod, funcs in names.items() for name in funcs}
         if check_launches:  # faults.py: each launch waits for itself and names itself if it faults
             self._f = {name: Checked(f, f"kernel {name}") for name, f in self._f.items()}
         self._maps = TensorMaps() if self.hopper else None
@@ -118,17 +120,17 @@ class Kernels:
 
     def f32_to_bf16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
         n4 = src.size // 4
-        self._f["f32_to_bf16"](_grid(n4, 256), (256,), (src, dst, np.int64(n4)))
+        self._f["f32_to_bf16"](grid_1d(n4, 256), (256,), (src, dst, np.int64(n4)))
 
     def f32_to_f16(self, src: cupy.ndarray, dst: cupy.ndarray) -> None:
         n4 = src.size // 4
-        self._f["f32_to_f16"](_grid(n4, 256), (256,), (src, dst, np.int64(n4)))
+        self._f["f32_to_f16"](grid_1d(n4, 256), (256,), (src, dst, np.int64(n4)))
 
     def patchify_u8(self, canvases: cupy.ndarray, images: cupy.ndarray, n_images: int, table: cupy.ndarray,
                     out: cupy.ndarray, patch: int, temporal: int) -> None:
         """out[P, 3 x temporal x patch^2] (BF16) from the uint8 canvases of a batch; images: int32
         [n_images, 4] as patchify.cu describes, table float32 [3, 256]."""
-        self._f["patchify_u8"](_grid(out.shape[0], 1), (128,),
+        self._f["patchify_u8"](grid_1d(out.shape[0], 1), (128,),
                                (canvases, images, np.int32(n_images), table, out, np.int32(out.shape[0]),
                                 np.int32(patch), np.int32(temporal)))
 
@@ -146,13 +148,13 @@ class Kernels:
     def rope_tables(self, pos: cupy.ndarray, inv_freq: cupy.ndarray, cos: cupy.ndarray,
                     sin: cupy.ndarray) -> None:
         p, quarter = pos.shape[0], inv_freq.size
-        self._f["rope_tables"](_grid(p * quarter, 256, 1 << 30), (256,),
+        self._f["rope_tables"](grid_1d(p * quarter, 256, 1 << 30), (256,),
                                (pos, inv_freq, cos, sin, np.int32(p), np.int32(quarter)))
 
     def qknorm_rope(self, qkv: cupy.ndarray, bias: cupy.ndarray, q_w: cupy.ndarray, k_w: cupy.ndarray,
                     cos: cupy.ndarray, sin: cupy.ndarray, heads: int, eps: float) -> None:
         p, hd = qkv.shape[0], q_w.size
-        self._f["qknorm_rope"](_grid(p * 2 * heads * hd // 8, 256, 1 << 30), (256,),
+        self._f["qknorm_rope"](grid_1d(p * 2 * heads * hd // 8, 256, 1 << 30), (256,),
                                (qkv, bias, q_w, k_w, cos, sin, np.int32(p), np.int32(heads), np.int32(hd),
                                 np.float32(eps)))
 
@@ -165,11 +167,11 @@ class Kernels:
 
     def im2col_2x2(self, x: cupy.ndarray, out: cupy.ndarray) -> None:
         rows, n = x.shape
-        self._f["im2col_2x2"](_grid(rows // 4 * n, 256), (256,), (x, out, np.int64(rows // 4), np.int32(n)))
+        self._f["im2col_2x2"](grid_1d(rows // 4 * n, 256), (256,), (x, out, np.int64(rows // 4), np.int32(n)))
 
     def bias_to_bf16(self, x: cupy.ndarray, bias: cupy.ndarray, out: cupy.ndarray) -> None:
         n4 = x.size // 4
-        self._f["bias_to_bf16"](_grid(n4, 256), (256,), (x, bias, out, np.int64(n4), np.int32(x.shape[1])))
+        self._f["bias_to_bf16"](grid_1d(n4, 256), (256,), (x, bias, out, np.int64(n4), np.int32(x.shape[1])))
 
     def softmax_rows(self, scores: cupy.ndarray, probs: cupy.ndarray, scale: float) -> None:
         rows, n = scores.shape

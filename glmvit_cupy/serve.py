@@ -202,6 +202,10 @@ class Service:
         self.failure: str | None = None  # why the engine cannot serve: the server exits (status 1)
         self.max_requests = 2 * limits.max_queue * len(self.vits)  # a queue's worth waiting, as many again answered
         self.active = 0  # work requests held, arrival to response sent: the drain waits for them, 429 past max_requests
+        self.base64: Any = None  # on a GPU, base64 answers are encoded there (device_base64.py)
+        if self.vits[0].backend == "cupy":
+            from .device_base64 import DeviceBase64
+            self.base64 = DeviceBase64(self.vits[0].tower.current)
 
     def status(self) -> str:
         if self.failure is not None:
@@ -262,8 +266,9 @@ class Service:
         inputs, output, dtype, encoding = _parse_embeddings(body, self.model)
         images = await asyncio.gather(*(self._input_bytes(i, item) for i, item in enumerate(inputs)))
         encoded = await _unless_disconnected(request, self._encode_all(images, output, dtype, timing))
-        # Off the event loop: a real tower's image is megabytes of embedding to encode (base64: ~25 ms)
-        parts = await asyncio.to_thread(_embeddings_parts, [e.output for e in encoded], output, encoding, self.model)
+        # Off the event loop: a real tower's image is megabytes of embedding to encode
+        parts = await asyncio.to_thread(_embeddings_parts, [e.output for e in encoded], output, encoding, self.model,
+                                        self.base64)
         return _PartsResponse(parts, {"x-cache": ",".join(e.cache for e in encoded)})
 
     async def embed(self, request: Request, timing: _Timing) -> Response:
@@ -618,12 +623,13 @@ def _arrays(result: Any, output: str) -> dict[str, np.ndarray]:
     return {name: getattr(result, name) for name in OUTPUTS[output]}
 
 
-def _embeddings_parts(results: list[Any], output: str, encoding: str, model: str) -> list[bytes]:
+def _embeddings_parts(results: list[Any], output: str, encoding: str, model: str, device_base64: Any = None) -> list[Any]:
     """The /v1/embeddings response as JSON, in parts to send in order, never joined: a real tower's base64
     answer is ~22 MB, and each join or concatenation of it is a 22 MB copy (four took ~115 ms of 141 on
     the dev machine: benchmarks/NOTES.md). An embedding is nested lists [tokens][dim] (float) or the
     row-major bytes of the array in its dtype (base64; little-endian, as every host we run on), spliced in
-    as they are: base64 needs no JSON escaping, and json.dumps would scan megabytes for it."""
+    as they are: base64 needs no JSON escaping, and json.dumps would scan megabytes for it. With
+    `device_base64` (a GPU server) the base64 is made on the GPU, in one part."""
     parts, tokens = [b'{"object": "list", "data": ['], 0
     for i, result in enumerate(results):
         arrays = _arrays(result, output)
@@ -637,7 +643,7 @@ def _embeddings_parts(results: list[Any], output: str, encoding: str, model: str
             if output == "both":
                 parts.append((b"," if j else b"") + json.dumps(name).encode() + b":")
             if encoding == "base64":
-                parts += [b'"', *_base64_parts(a), b'"']
+                parts += [b'"', *(_base64_parts(a) if device_base64 is None else [device_base64.encode(a).data]), b'"']
             else:
                 parts.append(json.dumps(a.astype(np.float32).tolist()).encode())
         parts.append(b"}}" if output == "both" else b"}")

@@ -105,3 +105,52 @@ def test_batcher_results_are_as_accurate_as_encode_alone(real_ckpt):
         print(f"batcher: 96 requests in {stats.batches} batches, GPU busy {stats.gpu_busy_s:.2f} s")
     finally:
         vit.close()
+
+
+def test_device_base64_is_pythons_base64(tiny_ckpt):
+    """The server's GPU base64 (device_base64.py) against Python's base64.b64encode: every length
+    mod 3 near 0, lengths across chunk boundaries (a 3,000-byte chunk here), a BF16 [rows, dim]
+    array as the server hands it over, and a first call from a fresh thread on another engine's
+    device context."""
+    import base64
+
+    from glmvit_cupy.device_base64 import DeviceBase64
+
+    vit = GlmVit.from_pretrained(tiny_ckpt, backend="cupy")
+    rng = np.random.default_rng(0)
+    small = DeviceBase64(vit.tower.current, chunk=3000)
+    for n in [*range(0, 10), 2999, 3000, 3001, 5999, 6000, 6001, 12345]:
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert small.encode(data).tobytes() == base64.b64encode(data.tobytes()), n
+    rows = rng.standard_normal((173, 256)).astype(np.float32)
+    bf16 = (rows.view(np.uint32) >> 16).astype(np.uint16)  # BF16 as the server holds it: its bits
+    whole = DeviceBase64(vit.tower.current)
+    assert in_fresh_thread(lambda: whole.encode(bf16)).tobytes() == base64.b64encode(bf16.tobytes())
+    assert whole.encode(rows).tobytes() == base64.b64encode(rows.tobytes())
+
+
+def test_a_gpu_servers_base64_answer_is_its_raw_answer(tiny_ckpt):
+    """`glmvit-cupy serve` on the GPU: the base64 in a /v1/embeddings answer (made by device_base64)
+    decodes to the bytes /embed answers for the same image (safetensors, the same engine and grid)."""
+    import base64
+    import io
+
+    httpx = pytest.importorskip("httpx", reason="the [serve] extra is not installed")
+    pytest.importorskip("starlette", reason="the [serve] extra is not installed")
+    import safetensors
+    from PIL import Image
+
+    from serving import ServerProcess
+
+    out = io.BytesIO()
+    Image.fromarray(photo_like(200, 300, seed=5)).save(out, "PNG")
+    image = out.getvalue()
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "cupy", "--cache-bytes", "0", ready_s=300) as server:
+        body = {"input": ["data:image/png;base64," + base64.b64encode(image).decode()], "encoding_format": "base64",
+                "output": "both", "dtype": "float32"}
+        got = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=120).json()["data"][0]
+        raw = dict(safetensors.deserialize(httpx.post(f"{server.url}/embed?output=both&dtype=float32", content=image,
+                                                      timeout=120).content))
+    for name in ("pooler_output", "last_hidden_state"):
+        assert base64.b64decode(got["embedding"][name]) == bytes(raw[name]["data"]), name
+    assert "Traceback" not in server.log()
