@@ -207,6 +207,10 @@ class Load:
                                         initargs=(url, files, max(1, connections // procs) + 4, seed))
         list(self.pool.map(time.sleep, [0.5] * procs))  # every process started before the first step
 
+    def cpu(self) -> float:
+        """CPU seconds the client processes have used."""
+        return sum(thread_cpu(pid)["tree"] for pid in self.pool._processes)
+
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
 
@@ -243,6 +247,29 @@ def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dic
                 tree_cores=round((after["tree"] - before["tree"]) / wall, 2))
 
 
+STAGES = ("queue", "decode", "inference", "request")
+
+
+def _stage_seconds(server: ServerProcess) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of the server's duration histograms, the engine's busy seconds."""
+    m = server.metrics()
+    out = {stage: (sum(v for (name, _), v in m.items() if name == f"glmvit_{stage}_duration_seconds_sum"),
+                   sum(v for (name, _), v in m.items() if name == f"glmvit_{stage}_duration_seconds_count"))
+           for stage in STAGES}
+    out["engine_busy"] = (sum(v for (name, _), v in m.items() if name == "glmvit_engine_busy_seconds_total"), 1.0)
+    return out
+
+
+def _stage_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms of each stage between two readings (engine_busy: seconds in total)."""
+    out = {}
+    for stage in STAGES:
+        n = after[stage][1] - before[stage][1]
+        out[stage] = round(1000 * (after[stage][0] - before[stage][0]) / n, 2) if n else None
+    out["engine_busy_s"] = round(after["engine_busy"][0] - before["engine_busy"][0], 2)
+    return out
+
+
 def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lone: bytes) -> dict:
     url = server.url
     # More connections than the server holds requests, so that overload meets its 429s, not a pool's queue
@@ -253,12 +280,14 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         record["lone"] = latency(load.one("lone", lone, args.lone))
         print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
 
-        cpu = thread_cpu(server.proc.pid)
+        cpu, clients, stages = thread_cpu(server.proc.pid), load.cpu(), _stage_seconds(server)
         results, wall = load.closed(len(files), args.concurrency)
         sat = len(files) / wall
         record["saturation"] = dict(latency(results), wall_s=round(wall, 2), images_per_s=round(sat, 2),
                                     concurrency=args.concurrency,
-                                    server_cpu=_busy(cpu, thread_cpu(server.proc.pid), wall))
+                                    server_cpu=_busy(cpu, thread_cpu(server.proc.pid), wall),
+                                    client_cores=round((load.cpu() - clients) / wall, 2),
+                                    stage_mean_ms=_stage_means(stages, _stage_seconds(server)))
         print(f"saturation: {record['saturation']}", flush=True)
 
         record["poisson"] = []
@@ -332,6 +361,8 @@ def markdown(r: dict) -> str:
              f"and its tree (decode workers included), cores | "
              f"{', '.join(f'{t} {c:.2f}' for t, c in cpu['threads'].items())}; {cpu['process_cores']:.2f}; "
              f"{cpu['tree_cores']:.2f} | |",
+             f"| meanwhile the client processes, cores; the server's mean ms of queue, decode, inference, whole "
+             f"request; the engine busy, s | {sat['client_cores']:.2f}; {sat['stage_mean_ms']} | |",
              f"| lone {LONE_SIDE}x{LONE_SIDE}: p50 / p99 ms (its forward {r['lone_forward_ms']:.2f} ms) | "
              f"{lone['p50_ms']} / {lone['p99_ms']} | p50 <= forward + {TARGETS['lone_p50_over_forward_ms']:.0f} ms |",
              *[f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "

@@ -51,13 +51,13 @@ class DeviceBase64:
     def encode(self, array: np.ndarray) -> np.ndarray:
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
         out = np.empty(encoded_size(flat.size), dtype=np.uint8)
-        with self._lock, self.current():
+        with self._lock, self.current(), self.stream:
             for start in range(0, flat.size, self.chunk):
                 piece = flat[start:start + self.chunk]
                 n, m = piece.size, encoded_size(piece.size)
                 self.pinned_src[:n] = piece  # a copy from pageable memory would make the upload synchronous
                 self.src[:n].set(self.pinned_src[:n], stream=self.stream)
-                self.kernel(grid_1d(-(-n // 3), BLOCK), (BLOCK,), (self.src, np.int64(n), self.dst), stream=self.stream)
+                self.kernel(grid_1d(-(-n // 3), BLOCK), (BLOCK,), (self.src, np.int64(n), self.dst))
                 self.dst[:m].get(stream=self.stream, out=self.pinned_dst[:m])
                 synchronize(self.stream, "the base64 of an answer")
                 at = start // 3 * 4
