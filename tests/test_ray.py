@@ -183,9 +183,10 @@ def test_help_has_examples_and_explains_every_option():
 
 
 def killing_probe(marker: str) -> type[GlmVitEmbedder]:
-    """GlmVitEmbedder that logs each call's node and process to marker.log and, once (the first
-    call to create `marker`), SIGKILLs its own process after yielding its first forward batch's
-    rows: Ray has them then, and the rest of the call is lost with the actor. A class made in a
+    """GlmVitEmbedder that logs each call's node, process and (when it ends) its yields to
+    marker.log and, once (the first call to create `marker`), SIGKILLs its own process after
+    yielding its first forward batch's rows: Ray has them then, and the rest of the call is lost
+    with the actor. A class made in a
     function is pickled by value: the actors do not import this test module."""
 
     class Probe(GlmVitEmbedder):
@@ -193,28 +194,32 @@ def killing_probe(marker: str) -> type[GlmVitEmbedder]:
             node = ray.get_runtime_context().get_node_id()
             with open(marker + ".log", "a") as log:
                 log.write(json.dumps({"node": node, "pid": os.getpid(), "paths": list(map(str, batch["path"]))}) + "\n")
-            for i, rows in enumerate(super().__call__(batch)):
+            yields = 0
+            for rows in super().__call__(batch):
                 yield rows
-                if i == 0:
+                yields += 1
+                if yields == 1:
                     try:
                         os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
                     except FileExistsError:
                         continue
                     os.kill(os.getpid(), signal.SIGKILL)
+            with open(marker + ".log", "a") as log:
+                log.write(json.dumps({"done": list(map(str, batch["path"])), "yields": yields}) + "\n")
 
     return Probe
 
 
 def test_several_nodes_encode_every_input_once_and_a_killed_actor_is_retried(tmp_path, tiny_ckpt, cluster):
     """Two more raylets, one declared GPU each: two actors, one a node (the pool waits for both
-    before its first call), each image its own forward batch (several yields a call). One actor
+    before its first call), forward batches of one or two images (several yields a call). One actor
     is SIGKILLed after handing Ray its first rows; Ray restarts it and runs the call again. The
     parts hold every input exactly once, read as one collection equal (bit for bit, one BLAS
     thread each side) to encode's."""
     inputs, junk = collection(tmp_path)
     junk.unlink()
     sources = expand_inputs(inputs)
-    budget = ["--max-image-tokens", "16", "--max-pixels", str(64 * 14 * 14)]  # one image a forward call
+    budget = ["--max-image-tokens", "16", "--max-pixels", str(64 * 14 * 14)]  # one or two images a forward call
     marker = str(tmp_path / "killed")
     context = ray.data.DataContext.get_current()
     with one_blas_thread():
@@ -231,7 +236,9 @@ def test_several_nodes_encode_every_input_once_and_a_killed_actor_is_retried(tmp
         context.wait_for_min_actors_s = -1  # Ray's default
         for node in added:
             cluster.remove_node(node)
-    calls = [json.loads(line) for line in Path(marker + ".log").read_text().splitlines()]
+    log = [json.loads(line) for line in Path(marker + ".log").read_text().splitlines()]
+    calls, done = [e for e in log if "node" in e], [e for e in log if "done" in e]
+    assert any(e["yields"] > 1 for e in done), done  # a yield a forward batch, not one a call
     assert os.path.exists(marker) and len({c["node"] for c in calls}) == 2  # both actors' nodes did work
     killed = [c for c in calls if c["paths"] in [d["paths"] for d in calls if d is not c]]
     assert killed, "no call was run again after the kill"
