@@ -13,7 +13,9 @@ Issue 27: Ray at least 0.85x encode's images/s on one GPU.
    its engine was ready and, per call, its start and end, its images and tokens, the engine's
    busy milliseconds (CUDA events; none on the NumPy backend) and the time spent suspended at
    its yields (Ray storing a forward batch's rows). Every record in the parts is counted (one a
-   photo, or the run fails), and Ray Data's own per-operator stats go to the log.
+   photo, or the run fails), and Ray Data's own per-operator stats go to the log. Then Ray's
+   embeddings against encode's, image by image: how many are bit-identical, and how far apart
+   the others are (README's "What holds between Ray's output and encode's").
 4. Ratios, two clocks:
    - whole: Ray from the dataset's start (actors started and the tower bound inside it) to the
      last part renamed, against encode's process wall (interpreter start and tower bound in it);
@@ -46,11 +48,12 @@ from pathlib import Path
 
 from e2e import WARMUP_FILES, benchmark_main, end_to_end, load_collection, save  # puts the repository on sys.path
 
+import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
 from glmvit_cupy.ray import DEFAULT_BATCH_SIZE, GlmVitEmbedder, ShardSink, cluster_plan, embed, parts, rows_of  # noqa: E402
-from glmvit_cupy.shards import read_records  # noqa: E402
+from glmvit_cupy.shards import read_embeddings, read_records, record_key  # noqa: E402
 from glmvit_cupy.sources import expand_inputs  # noqa: E402
 
 TARGET = 0.85
@@ -141,8 +144,26 @@ def ray_run(files: list[str], args: argparse.Namespace, plan, out_dir: Path, log
                 ray_stats=ds.stats())
 
 
+def equality(encoded: Path, ray_parts: list[Path]) -> dict:
+    """Ray's embeddings against encode's, image by image (both BF16, read as float32): how many
+    are bit-identical, and the worst relative Frobenius difference of the others."""
+    ours = {record_key(r): a["pooler_output"] for r, a in read_embeddings(encoded)}
+    same, worst, differing = 0, 0.0, 0
+    for record, arrays in read_embeddings(ray_parts):
+        want, got = ours.pop(record_key(record)), arrays["pooler_output"]
+        if np.array_equal(got, want):
+            same += 1
+            continue
+        diff = got.astype(np.float64) - want
+        worst = max(worst, float(np.linalg.norm(diff) / np.linalg.norm(want)))
+        differing += int(np.count_nonzero(diff))
+    if ours:
+        raise GlmVitError(f"{len(ours)} images of encode's output are not in Ray's")
+    return dict(bit_identical_images=same, worst_rel_diff=worst, differing_elements=differing)
+
+
 def markdown(r: dict) -> str:
-    e, ray_, s, col = r["encode"], r["ray"], r["ray"]["split"], r["collection"]
+    e, ray_, s, col, q = r["encode"], r["ray"], r["ray"]["split"], r["collection"], r["ray"]["equality"]
     enc_busy = "-" if e["gpu_busy"] is None else f"{100 * e['gpu_busy']:.0f}%"
     ray_busy = "-" if r["backend"] != "cupy" else f"{100 * ray_['gpu_busy_steady']:.0f}%"
     lines = [f"{r['date']}, {r['device']}, {r['cpus']} CPUs, backend {r['backend']}, Ray {r['ray_version']}; "
@@ -164,26 +185,30 @@ def markdown(r: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |",
              f"| {s['actor_start_s']:.2f} | {s['first_batch_wait_s']:.2f} | {s['engine_busy_s']:.2f} | "
              f"{s['calls_other_s']:.2f} | {s['storing_rows_s']:.2f} | {s['between_calls_s']:.2f} | {s['tail_s']:.2f} |",
-             "", f"{s['calls']} calls; {s['engines_started']} engine(s) started"]
+             "", f"{s['calls']} calls; {s['engines_started']} engine(s) started", "",
+             f"Equality with encode's output (bfloat16): {q['bit_identical_images']} of {col['count']} images "
+             f"bit-identical; the others differ in {q['differing_elements']:,} elements, at worst "
+             f"{q['worst_rel_diff']:.2e} relative (README's bound: 2 x 2^-8 + 1e-5 = 7.8e-3)"]
     return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
     t0 = time.perf_counter()
     manifest, files = load_collection(args, collection)
-    enc = end_to_end(files, collection, args.model, args.workers, args.backend)
-    enc["process_images_per_s"] = round(len(files) / enc["process_wall_s"], 2)
-    print(f"encode: {enc['summary_line']} (process wall {enc['process_wall_s']} s)", file=sys.stderr, flush=True)
-
-    start = time.perf_counter()
-    ray.init(include_dashboard=False, log_to_driver=False)
-    cluster_start = time.perf_counter() - start
     scratch = Path(tempfile.mkdtemp(prefix="glmvit-ray-bench-"))
     try:
+        enc = end_to_end(files, collection, args.model, args.workers, args.backend, out_dir=scratch / "encoded")
+        enc["process_images_per_s"] = round(len(files) / enc["process_wall_s"], 2)
+        print(f"encode: {enc['summary_line']} (process wall {enc['process_wall_s']} s)", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        ray.init(include_dashboard=False, log_to_driver=False)
+        cluster_start = time.perf_counter() - start
         plan = cluster_plan(args.actors, args.gpus_per_actor, args.backend, args.decode_tasks)
         print(f"ray: cluster up in {cluster_start:.1f} s; {plan}", file=sys.stderr, flush=True)
         ray_run(files[:WARMUP_FILES], args, plan, scratch / "warmup", scratch / "warmup-log")
         result = ray_run(files, args, plan, scratch / "out", scratch / "log")
+        result["equality"] = equality(scratch / "encoded", parts(scratch / "out"))
+        print(f"ray: equality with encode's output {result['equality']}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         ray.shutdown()
