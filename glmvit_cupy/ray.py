@@ -237,7 +237,9 @@ def embed(ds: ray.data.Dataset, model: str, *, plan: Plan | None = None, batch_s
     """`ds`'s rows (as `decode` takes them) embedded: `decode` as CPU tasks, then `embedder`
     (GlmVitEmbedder or a subclass) as `plan`'s actors (default: `cluster_plan()`), `batch_size`
     images a call. The settings are checked here, once, in one line each: the processor's
-    are read from `model` (readable on the driver too) and given to both stages."""
+    are read from `model` (readable on the driver too) and given to both stages. (Ray fuses
+    the decode tasks into the actors where both hold one CPU and no GPU and are as many: CPU
+    actors then decode their own rows.)"""
     from .geometry import load_geometry
     from .hub import resolve_model
     from .model import KERNELS, check_output_options
