@@ -169,10 +169,9 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     status non-zero; the rest are encoded.
     """
     from glmvit_cupy import GlmVit, load_geometry
-    from glmvit_cupy.geometry import check_patch_budget, patch_budget
     from glmvit_cupy.hub import resolve_model
-    from glmvit_cupy.pipeline import Decoder
-    from glmvit_cupy.preprocess import check_processor, processor_config
+    from glmvit_cupy.pipeline import Decoder, check_collection_settings
+    from glmvit_cupy.preprocess import processor_config
     from glmvit_cupy.sources import expand_inputs
 
     if (out_path is None) == (out_dir is None):
@@ -199,13 +198,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     directory = resolve_model(model_dir)
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     processor, _ = processor_config(directory, **budget)
-    geo = load_geometry(directory)
-    check_processor(processor, geo)
-    if processor.do_resize:  # it makes images of up to max_image_tokens: each must fit one forward call
-        check_patch_budget(geo, processor.max_image_tokens * geo.merge_unit,
-                           patch_budget(geo, max_pixels, processor.max_image_tokens),
-                           f"one image at the processor's max_image_tokens {processor.max_image_tokens} "
-                           "(--max-image-tokens lowers it)")
+    check_collection_settings(load_geometry(directory), processor, max_pixels)
     decoder = Decoder(min(workers, len(sources)), processor)  # its workers start now, while the tower is read
     group = None
     try:

@@ -168,14 +168,16 @@ def read_records(out_dir: Path) -> tuple[int, int, int]:
 
 
 def end_to_end(files: list[str], collection: Path, model: Path, workers: int, backend: str,
-               extra: Sequence[str] = ()) -> dict:
-    """The warm-up run, then the measured run into a fresh directory (removed afterwards);
-    `extra`: more options of both (devices.py's --devices)."""
+               extra: Sequence[str] = (), out_dir: Path | None = None) -> dict:
+    """The warm-up run, then the measured run into a fresh directory (removed afterwards, unless
+    it is the `out_dir` given, for the caller to read); `extra`: more options of both
+    (devices.py's --devices)."""
     scratch = Path(tempfile.mkdtemp(prefix="glmvit-e2e-"))
+    out_dir = out_dir or scratch / "out"
     try:
         run_cli(files[:WARMUP_FILES], model, scratch / "warmup", workers, backend, extra)
-        result = run_cli([str(collection)], model, scratch / "out", workers, backend, extra)
-        records, tokens, size = read_records(scratch / "out")
+        result = run_cli([str(collection)], model, out_dir, workers, backend, extra)
+        records, tokens, size = read_records(out_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if result["encoded"] != len(files) or records != len(files) or result["failed"]:

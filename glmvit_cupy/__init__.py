@@ -26,7 +26,8 @@ Layout, one concern a module:
   shards      the resumable output directory (safetensors shards + jsonl metadata), read_embeddings
   progress    the bar / log lines of a collection run
   devices     every GPU of a host: engine processes behind one pipeline (encode --devices)
-  ray         many hosts: a Ray Data actor and shard sink (the optional [ray] extra; imported by nothing here)
+  ray         many hosts: Ray Data decode tasks, engine actors and a shard sink (the optional [ray] extra;
+              imported by nothing here)
   serve       the HTTP embedding server, `glmvit-cupy serve` (the optional [serve] extra; imported by nothing here)
   encoder_cache  the server's results by the sha256 of image bytes: LRU by bytes, single flight
 """

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .errors import GlmVitError
-from .geometry import check_patch_budget
+from .geometry import GlmVitGeometry, check_patch_budget, patch_budget
 from .preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
@@ -233,6 +233,17 @@ class Decoder:
         self.pool = None
 
 
+def check_collection_settings(geo: GlmVitGeometry, processor: ProcessorConfig, max_pixels: int | None) -> None:
+    """Before a collection run starts (encode, Ray): the processor must cut the tower's patches,
+    and every image it makes, up to its max_image_tokens, must fit one forward call."""
+    check_processor(processor, geo)
+    if processor.do_resize:
+        check_patch_budget(geo, processor.max_image_tokens * geo.merge_unit,
+                           patch_budget(geo, max_pixels, processor.max_image_tokens),
+                           f"one image at the processor's max_image_tokens {processor.max_image_tokens} "
+                           "(--max-image-tokens lowers it)")
+
+
 def plan_batches(patch_counts: Sequence[int], p_max: int) -> list[range]:
     """The packer's rule, for anyone who needs the same batches (benchmarks): consecutive
     images, a new batch whenever the next one would take the batch past p_max patches."""
@@ -258,6 +269,7 @@ class Encoded:
     error: str | None
     nbytes: int | None = None
     sha256: str | None = None
+    batch: int | None = None  # which of the stream's forward batches computed it (0, 1, ...)
 
 
 class StreamTurn:
@@ -309,14 +321,31 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
     default each stream makes its own (devices.EngineGroup is the stager of its engine
     processes)."""
     processor = processor or vit.processor
+    own = decoder is None
+    decoder = decoder or Decoder(workers, processor)
+    try:
+        mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
+        yield from encode_prepared(vit, zip(mine, decoder.map(theirs, processor)), outputs=outputs, dtype=dtype,
+                                   processor=processor, stats=stats, stager=stager)
+    finally:
+        if own:
+            decoder.close()
+
+
+def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: Sequence[str] = OUTPUT_NAMES,
+                    dtype: str = "float32", processor: ProcessorConfig | None = None,
+                    stats: StreamStats | None = None, stager: Any = None) -> Iterator[Encoded]:
+    """The engine's half of a stream: inputs already decoded ((input, its Prepared), in input
+    order) packed into forward batches of at most vit.p_max patches (plan_batches' rule), two
+    on the stager at a time, and yielded as Encoded in input order. The Ray actors run it on
+    the canvases of their decode stage."""
+    processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     check_dtype(dtype)
     stats = stats if stats is not None else StreamStats()
     stager = stager or make_stager(vit, processor)
     for engine in range(stager.engines):
         stats.gpu_ms.setdefault(engine, 0.0)
-    own = decoder is None
-    decoder = decoder or Decoder(workers, processor)
     order: deque[list] = deque()  # [item, Encoded or None] per input, in input order
     batch: list[tuple[list, Prepared]] = []
     patches = 0
@@ -331,6 +360,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
     def collect() -> None:
         pending, members = in_flight.popleft()
         arrays = pending.result()
+        number = stats.batches
         stats.batches += 1
         stats.gpu_ms[pending.engine] += pending.gpu_ms
         ok = pending.finite
@@ -342,41 +372,36 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
                 continue
             stats.tokens += b - a
             slot[1] = Encoded(slot[0], {name: arr[a:b] for name, arr in arrays.items()}, pending.grid_thw[i],
-                              None, prep.nbytes, prep.sha256)
+                              None, prep.nbytes, prep.sha256, number)
 
     def ready() -> Iterator[Encoded]:
         while order and order[0][1] is not None:
             yield order.popleft()[1]
 
-    try:
-        mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
-        for item, prep in zip(mine, decoder.map(theirs, processor)):
-            slot = [item, None]
-            order.append(slot)
-            if prep.error is None:
-                n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
-                try:  # an image no forward call holds is its own failure, not the run's
-                    check_patch_budget(vit.geometry, n, vit.p_max, item_name(item))
-                except GlmVitError as exc:
-                    prep = Prepared(None, str(exc), prep.nbytes, prep.sha256)
-            if prep.error is not None:
-                slot[1] = Encoded(item, None, None, prep.error, prep.nbytes, prep.sha256)
-            else:
-                if batch and patches + n > vit.p_max:
-                    submit()
-                    while len(in_flight) >= stager.depth:  # one engine: k+1 uploads while k computes
-                        collect()
-                batch.append((slot, prep))
-                patches += n
-            yield from ready()
-        if batch:
-            submit()
-        while in_flight:
-            collect()
-            yield from ready()
-    finally:
-        if own:
-            decoder.close()
+    for item, prep in prepared:
+        slot = [item, None]
+        order.append(slot)
+        if prep.error is None:
+            n = int(np.prod(canvas_grid(prep.canvas.shape, processor)))
+            try:  # an image no forward call holds is its own failure, not the run's
+                check_patch_budget(vit.geometry, n, vit.p_max, item_name(item))
+            except GlmVitError as exc:
+                prep = Prepared(None, str(exc), prep.nbytes, prep.sha256)
+        if prep.error is not None:
+            slot[1] = Encoded(item, None, None, prep.error, prep.nbytes, prep.sha256)
+        else:
+            if batch and patches + n > vit.p_max:
+                submit()
+                while len(in_flight) >= stager.depth:  # one engine: k+1 uploads while k computes
+                    collect()
+            batch.append((slot, prep))
+            patches += n
+        yield from ready()
+    if batch:
+        submit()
+    while in_flight:
+        collect()
+        yield from ready()
 
 
 @dataclasses.dataclass(frozen=True)

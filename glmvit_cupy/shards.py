@@ -323,15 +323,21 @@ class OutputDir:
                 entry.unlink(missing_ok=True)
 
     def write_failures(self, failures: list[dict]) -> None:
-        path = self.directory / FAILURES
-        if failures:
-            lines = "".join(json.dumps(f, separators=(",", ":")) + "\n" for f in failures)
-            write_atomic(path, lambda f: f.write(lines.encode()))
-        else:
-            path.unlink(missing_ok=True)
+        write_failures(self.directory, failures)
 
     def close(self) -> None:
         os.close(self._lock)
+
+
+def write_failures(directory: Path, failures: list[dict]) -> None:
+    """DIR/failures.jsonl: one line an input that did not encode (its source fields and
+    `error`), written atomically; removed when there are none (a run lists its own failures)."""
+    path = directory / FAILURES
+    if failures:
+        lines = "".join(json.dumps(f, separators=(",", ":")) + "\n" for f in failures)
+        write_atomic(path, lambda f: f.write(lines.encode()))
+    else:
+        path.unlink(missing_ok=True)
 
 
 def record_key(record: dict) -> str:
