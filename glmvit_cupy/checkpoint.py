@@ -33,7 +33,7 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -41,7 +41,10 @@ from safetensors import __version__ as SAFETENSORS_VERSION
 
 from .errors import GlmVitError, InternalError
 from .geometry import GlmVitGeometry, load_geometry
-from .weights import FUSED_PAIRS, stored_shapes, tower_shapes
+from .weights import (BLOCK_NAMES, EMBED_NAMES, FUSED_PAIRS, MERGER_NAMES, GlmVitBlock, GlmVitMerger, GlmVitTensors,
+                      stored_shapes, tower_shapes)
+
+A = TypeVar("A")
 
 # Probed in this order; "" is the bare layout of a saved Glm5NextVisionModel, last because
 # only a vision-only file has a top-level patch_embed.
@@ -101,6 +104,18 @@ class TowerWeights:
         shape = self.location.entries[name].shape
         start = self.offsets[name]
         return self.arena[start:start + math.prod(shape)].reshape(shape)
+
+    def structure(self, convert: Callable[[np.ndarray], A]) -> GlmVitTensors[A]:
+        """The tensors arranged as blocks + merger; `convert` turns each raw view (`raw`, or a
+        gate|up pair's `fused`) into the backend's array (widened float32 for NumPy, a device
+        view of the uploaded arena for CuPy; the raw views themselves for deferred_bias)."""
+        def fields(names: dict[str, str | tuple[str, str]], prefix: str = "") -> dict[str, A]:
+            return {field: convert(self.raw(prefix + n) if isinstance(n, str) else
+                                   self.fused(prefix + n[0], prefix + n[1]))
+                    for field, n in names.items()}
+
+        blocks = [GlmVitBlock(**fields(BLOCK_NAMES, f"blocks.{i}.")) for i in range(self.location.geometry.depth)]
+        return GlmVitTensors(**fields(EMBED_NAMES), blocks=blocks, merger=GlmVitMerger(**fields(MERGER_NAMES)))
 
     def fused(self, first: str, second: str) -> np.ndarray:
         """A FUSED_PAIRS pair as one tensor (first's rows, then second's): a view, no copy."""

@@ -110,20 +110,6 @@ class GlmVitGeometry:
         """Patches per merged token (4: one 2x2 block)."""
         return self.spatial_merge_size ** 2
 
-    @property
-    def tensor_count(self) -> int:
-        """depth x 14 block tensors + 11 non-block tensors: 347 for the real tower."""
-        return self.depth * 14 + 11
-
-    @property
-    def parameter_count(self) -> int:
-        h, i, o, pi = (self.hidden_size, self.intermediate_size, self.out_hidden_size,
-                       self.projection_intermediate_size)
-        block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * self.head_dim + 3 * (h * i) + 2 * i + h
-        merger = h + (o * h * self.merge_unit + o) + o * o + 2 * o + 3 * o * pi
-        return self.depth * block + (h * self.patch_dim + h) + merger
-
-
 
 def patch_budget(geo: GlmVitGeometry, max_pixels: int | None = None,
                  max_image_tokens: int = MAX_IMAGE_TOKENS) -> int:

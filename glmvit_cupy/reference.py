@@ -21,7 +21,7 @@ from .bf16 import bf16_to_f32
 from .checkpoint import TowerWeights
 from .geometry import GlmVitGeometry, check_patch_budget
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
-from .weights import GlmVitTensors, structure
+from .weights import GlmVitTensors
 
 LAYERNORM_EPS = 1e-5  # the merger's nn.LayerNorm default, not config's rms_norm_eps
 
@@ -129,7 +129,7 @@ class NumpyTower:
                  gemm_inputs: Callable[[np.ndarray], np.ndarray] = _exact) -> None:
         self.geo: GlmVitGeometry = weights.location.geometry
         self.p_max = p_max  # the GPU engine's budget, held the same here (the NumPy forward needs no scratch)
-        self.w: GlmVitTensors[np.ndarray] = structure(weights, bf16_to_f32)
+        self.w: GlmVitTensors[np.ndarray] = weights.structure(bf16_to_f32)
         self.inv_freq = rope_inv_freq(self.geo)
         self.gemm_inputs = gemm_inputs
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from glmvit_cupy import GlmVitError
 from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
 from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint
-from glmvit_cupy.weights import tower_shapes
+from glmvit_cupy.weights import parameter_count, tensor_count, tower_shapes
 from glmvit_cupy.writer import write_safetensors
 
 
@@ -52,8 +52,8 @@ def test_three_layouts_bind_with_the_right_prefix(tmp_path, layout, prefix):
     weights = bind_checkpoint(ckpt)
     loc = weights.location
     assert loc.prefix == prefix
-    assert len(loc.entries) == loc.geometry.tensor_count == 39
-    assert weights.bytes_read == loc.tower_bytes == 2 * loc.geometry.parameter_count
+    assert len(loc.entries) == tensor_count(loc.geometry) == 39
+    assert weights.bytes_read == loc.tower_bytes == 2 * parameter_count(loc.geometry)
 
 
 def test_binding_agrees_with_the_official_safetensors_parser(tiny_ckpt):

@@ -15,6 +15,7 @@ from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
 from glmvit_cupy.extract import extract_tower
 from glmvit_cupy.preprocess import PREPROCESSOR_FILE
 from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.weights import tensor_count
 from helpers import photo_like, run_transformers, save_with_transformers
 from test_checkpoint import _rchar
 from test_cli import assert_clean_failure, run
@@ -45,7 +46,7 @@ def test_transformers_loads_the_result_with_the_sources_outputs(tmp_path):
     assert (dst / PREPROCESSOR_FILE).read_bytes() == (src / PREPROCESSOR_FILE).read_bytes()
     # The bare names, the source's on-disk shapes and dtype.
     source = {k[len("model.visual."):]: v for k, v in stored(src).items() if k.startswith("model.visual.")}
-    assert stored(dst) == source and len(source) == locate_tower(dst).geometry.tensor_count
+    assert stored(dst) == source and len(source) == tensor_count(locate_tower(dst).geometry)
 
     pixels, grid = preprocess([photo_like(90, 60, 3), photo_like(30, 50, 4)])
     theirs = run_transformers(Glm5NextVisionModel.from_pretrained(dst).float().eval(), pixels, grid)

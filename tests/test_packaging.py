@@ -1,8 +1,10 @@
-"""The kernels ship with the package: an installed (non-editable) copy must find every
-cuda_src/ file the loader pastes together, headers included."""
+"""The package as installed and as built: an installed (non-editable) copy must find every
+cuda_src/ file the loader pastes together, headers included; no module imports one that imports
+it back."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import sys
 from pathlib import Path
@@ -23,3 +25,36 @@ def test_package_data_covers_every_kernel_file():
     assert any(f.endswith(".cuh") for f in files) and any(f.endswith(".cu") for f in files)
     missing = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in patterns)]
     assert not missing, f"not shipped in the wheel: {missing}"
+
+
+def module_imports(path: Path) -> set[str]:
+    """The package modules a module imports at its top level, `if TYPE_CHECKING:` blocks included
+    (an import inside a function, made when it runs, is left out)."""
+    found = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            body.extend(node.body + node.orelse + getattr(node, "handlers", []) + getattr(node, "finalbody", []))
+        elif isinstance(node, ast.ExceptHandler):
+            body.extend(node.body)
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:
+            found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+    return found - {path.stem}
+
+
+def test_the_package_has_no_import_circle():
+    graph = {path.stem: module_imports(path) for path in (ROOT / "glmvit_cupy").glob("*.py")}
+    assert "weights" in graph["checkpoint"]
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module not in done:
+            for imported in sorted(graph.get(module, ())):
+                visit(imported, path + [module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
