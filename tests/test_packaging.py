@@ -1,6 +1,6 @@
 """The package as installed and as built: an installed (non-editable) copy must find every
-cuda_src/ file the loader pastes together, headers included; no module imports one that imports
-it back."""
+cuda_src/ file the loader pastes together, headers included; the version is written once; no
+module imports one that imports it back."""
 
 from __future__ import annotations
 
@@ -27,6 +27,20 @@ def test_package_data_covers_every_kernel_file():
     assert not missing, f"not shipped in the wheel: {missing}"
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is 3.11+")
+def test_the_version_is_written_once():
+    """pyproject.toml takes it from glmvit_cupy.__version__, as setuptools reads it when it builds."""
+    import tomllib
+
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import glmvit_cupy
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert read_configuration(ROOT / "pyproject.toml")["project"]["version"] == glmvit_cupy.__version__
+
+
 def module_imports(path: Path) -> set[str]:
     """The package modules a module imports at its top level, `if TYPE_CHECKING:` blocks included
     (an import inside a function, made when it runs, is left out)."""
@@ -40,6 +54,8 @@ def module_imports(path: Path) -> set[str]:
             body.extend(node.body)
         elif isinstance(node, ast.ImportFrom) and node.level == 1:
             found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("glmvit_cupy."):
+            found.add(node.module.split(".")[1])
     return found - {path.stem}
 
 
