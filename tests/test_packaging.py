@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import re
 import sys
 from pathlib import Path
 
@@ -74,3 +75,12 @@ def test_the_package_has_no_import_circle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_the_package_docstring_lists_every_module_once():
+    """glmvit_cupy/__init__.py's map of modules names each module of the package, and nothing else."""
+    import glmvit_cupy
+
+    listed = re.findall(r"^  (\w+) ", glmvit_cupy.__doc__, re.M)
+    modules = sorted(path.stem for path in (ROOT / "glmvit_cupy").glob("*.py") if path.stem != "__init__")
+    assert sorted(listed) == modules
