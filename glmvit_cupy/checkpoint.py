@@ -46,7 +46,7 @@ from .weights import (BLOCK_NAMES, EMBED_NAMES, FUSED_PAIRS, MERGER_NAMES, GlmVi
 
 A = TypeVar("A")
 
-# Probed in this order; "" is the bare layout of a saved Glm5NextVisionModel, last because
+# Probed in this order; "" is the bare names of a saved Glm5NextVisionModel, last because
 # only a vision-only file has a top-level patch_embed.
 TOWER_PREFIXES = ("model.visual", "model.language_model.visual", "visual", "")
 INDEX_FILE = "model.safetensors.index.json"
@@ -128,12 +128,12 @@ class TowerWeights:
 
 
 def tensor_name(prefix: str, short: str) -> str:
-    """`prefix.short`, or `short` alone under the bare layout (prefix "")."""
+    """`prefix.short`, or `short` alone under the bare names (prefix "")."""
     return f"{prefix}.{short}" if prefix else short
 
 
 def tower_tensor_names(names: Iterable[str], prefix: str) -> list[str]:
-    """The names under `prefix` (every name, for the bare layout: a vision-only file)."""
+    """The names under `prefix` (every name, for the bare names: a vision-only file)."""
     return [n for n in names if not prefix or n.startswith(prefix + ".")]
 
 
@@ -268,7 +268,7 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
     return TowerLocation(geo, prefix, entries)
 
 
-def _arena_layout(location: TowerLocation) -> tuple[dict[str, int], int]:
+def _arena_offsets(location: TowerLocation) -> tuple[dict[str, int], int]:
     """Element offset of each tensor in the arena; FUSED_PAIRS partners follow with no gap."""
     offsets: dict[str, int] = {}
     cursor = 0  # bytes
@@ -313,7 +313,7 @@ def read_tower(location: TowerLocation, allocate: Callable[[int], np.ndarray] = 
     NaN) and the tower is refused by tensor name if any has one. Both backends start from this
     arena (the GPU engine uploads it as is), so this one host check covers both. `allocate`
     returns the zeroed uint16 arena of a given length (devices.py's lives in shared memory)."""
-    offsets, total = _arena_layout(location)
+    offsets, total = _arena_offsets(location)
     arena = allocate(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2)
     as_bytes = memoryview(arena).cast("B")
     fds: dict[Path, int] = {}

@@ -45,7 +45,7 @@ from .scratch import GlmVitScratch, scratch_plan
 from .weights import GlmVitTensors, deferred_bias
 
 ATTENTION = ("auto", "flash", "naive")
-MAX_GRAPHS = 16  # captured shapes kept (each is a few hundred nodes and no memory of its own)
+GRIDS_KEPT = 16  # grids whose host tables and CUDA graph are kept (a graph: a few hundred nodes, no memory of its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +244,7 @@ class CupyTower:
         return p
 
     def grid_tables(self, grid_thw: np.ndarray) -> GridTables:
-        """The host tables of a grid (cached for the last MAX_GRAPHS grids)."""
+        """The host tables of a grid (cached for the last GRIDS_KEPT grids)."""
         key = grid_thw.tobytes()
         if key in self.tables:
             self.tables.move_to_end(key)
@@ -257,7 +257,7 @@ class CupyTower:
                             block_major_positions(grid_thw, geo.spatial_merge_size),
                             self.k.qkv_map(self._scratch().qkv[:p]) if self.k.hopper else None)
         self.tables[key] = tables
-        if len(self.tables) > MAX_GRAPHS:
+        if len(self.tables) > GRIDS_KEPT:
             self.tables.popitem(last=False)
         return tables
 
@@ -274,7 +274,7 @@ class CupyTower:
                 self.stream.begin_capture()
                 self._body(p, tables.segments, tables.work, None)
                 graph = self.graphs[key] = self.stream.end_capture()
-                if len(self.graphs) > MAX_GRAPHS:
+                if len(self.graphs) > GRIDS_KEPT:
                     self.graphs.popitem(last=False)
             else:
                 self.graphs.move_to_end(key)
@@ -358,7 +358,8 @@ class CupyTower:
     def _merger(self, p: int) -> None:
         geo, s, k, blas, mw = self.geo, self.scratch, self.k, self.blas, self.w.merger
         m = p // geo.merge_unit
-        k.rmsnorm_bias(s.resid[:p], self.deferred_bias[-1], mw.post_layernorm_w, s.normed[:p], geo.rms_norm_eps)  # step 6
+        k.rmsnorm_bias(s.resid[:p], self.deferred_bias[-1], mw.post_layernorm_w, s.normed[:p],  # step 6
+                       geo.rms_norm_eps)
         k.im2col_2x2(s.normed[:p], s.merge_a[:m])  # step 7
         blas.linear(s.last_hidden[:m], s.merge_a[:m], mw.downsample_w)
         k.bias_to_bf16(s.last_hidden[:m], mw.downsample_b, s.last_hidden_bf16[:m])

@@ -6,7 +6,7 @@ model's shape but an engine's choice (`patch_budget`): several engines with diff
 budgets can share one bound checkpoint. The constructor refuses a geometry the math or the
 kernels cannot run, and each refusal names the numbers.
 
-config.json comes in two layouts: the full GLM-5.3-Flash model (`model_type` glm5_next,
+config.json comes in two forms: the full GLM-5.3-Flash model (`model_type` glm5_next,
 the tower under a nested `vision_config`) and a vision-only export (`model_type`
 glm5_next_vision). A field the file leaves out takes the released checkpoint's value,
 NOT transformers' `Glm5NextVisionConfig()` default: that class says out_hidden 1536 where
@@ -197,7 +197,7 @@ def vision_config(geo: GlmVitGeometry) -> dict:
 
 
 def load_geometry(model_dir: str | Path) -> GlmVitGeometry:
-    """Read `model_dir/config.json` in either layout; refuse text-only and foreign configs."""
+    """Read `model_dir/config.json` in either form; refuse text-only and foreign configs."""
     path = Path(model_dir) / CONFIG_FILE
     try:
         config = json.loads(path.read_text())

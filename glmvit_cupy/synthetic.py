@@ -1,4 +1,4 @@
-"""Synthetic checkpoints in the exact released layout, with random weights from a seed.
+"""Synthetic checkpoints in the exact form of the released exports, with random weights from a seed.
 
 No real GLM-5.3 weights can be downloaded where this project is built and tested, so the
 tests, the benchmarks and a newcomer's first run use checkpoints written here: the same
@@ -35,7 +35,7 @@ GEOMETRIES = {
     "tiny": GlmVitGeometry(**{**REAL, "depth": 2, "hidden_size": 128, "num_heads": 2, "intermediate_size": 256,
                               "out_hidden_size": 256, "projection_intermediate_size": 512}),
 }
-LAYOUTS = {
+EXPORTS = {  # what a released checkpoint may be an export of
     # name: (tensor prefix, config model_type, sharded, decoys)
     "full": ("model.visual", "glm5_next", True, True),
     "nested": ("model.language_model.visual", "glm5_next", False, True),
@@ -70,8 +70,9 @@ def _decoys(decoy_bytes: int) -> list[tuple[str, np.dtype, tuple[int, int]]]:
 
 
 def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real", seed: int = 0,
-                     layout: str = "full", decoy_bytes: int | None = None, replace: bool = False) -> Path:
-    """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`, or with
+                     export: str = "full", decoy_bytes: int | None = None, replace: bool = False) -> Path:
+    """Write a checkpoint for `geometry`, in the form of an EXPORTS export, into the new (or
+    empty) directory `out_dir`, or with
     `replace` over a checkpoint directory there: all of it or, on any failure (a full disk),
     nothing, the old one left as it was (writer.atomic_directory)."""
     geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
@@ -88,12 +89,12 @@ def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real
     except OSError as exc:
         raise GlmVitError(f"{out}: cannot create directory {out.parent}: {exc.strerror}") from None
     with atomic_directory(out, replace=replace) as tmp:
-        _fill_checkpoint(tmp, geo, seed, layout, decoy_bytes)
+        _fill_checkpoint(tmp, geo, seed, export, decoy_bytes)
     return out
 
 
-def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, decoy_bytes: int | None) -> None:
-    prefix, model_type, sharded, with_decoys = LAYOUTS[layout]
+def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, export: str, decoy_bytes: int | None) -> None:
+    prefix, model_type, sharded, with_decoys = EXPORTS[export]
     rng = np.random.default_rng(seed)
     shapes = tower_shapes(geo)
     tower = [f"{prefix}.{n}" for n in shapes]
@@ -108,7 +109,8 @@ def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, dec
         for name in names:
             if name in decoys:
                 dtype, shape = decoys[name]
-                arrays[name] = rng.integers(0, 256, math.prod(shape) * dtype.itemsize, np.uint8).view(dtype).reshape(shape)
+                raw = rng.integers(0, 256, math.prod(shape) * dtype.itemsize, np.uint8)
+                arrays[name] = raw.view(dtype).reshape(shape)
             else:
                 arrays[name] = next(tower_values)
         return arrays

@@ -144,7 +144,7 @@ def parameter_count(geo: GlmVitGeometry) -> int:
 def stored_shapes(geo: GlmVitGeometry) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Every tower tensor's short name -> the header shapes a checkpoint may store it in, the
     first as transformers saves it. Exactly these: a shape with the right element count but
-    other axes (a transposed weight) is another layout and refused. The two convolutions keep
+    other axes (a transposed weight) is other data, and refused. The two convolutions keep
     their kernel axes; the patch embedding's flattened [h, patch_dim] form is the one alias,
     the same bytes in the same order (Conv3d's (c, t, py, px) is the patch rows' order)."""
     h, m = geo.hidden_size, geo.spatial_merge_size

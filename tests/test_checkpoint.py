@@ -1,4 +1,4 @@
-"""Binding: layouts, prefix probe, census, dtype/shape guards, and reading only the tower."""
+"""Binding: each export, prefix probe, census, dtype/shape guards, and reading only the tower."""
 
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ def rewrite(path: Path, edit) -> None:
     write_safetensors(path, {n: np.frombuffer(b, NUMPY_DTYPES[d]).reshape(s) for n, d, s, b in items})
 
 
-@pytest.mark.parametrize("layout, prefix", [("full", "model.visual"),
+@pytest.mark.parametrize("export, prefix", [("full", "model.visual"),
                                             ("nested", "model.language_model.visual"),
                                             ("vision-only", "visual")])
-def test_three_layouts_bind_with_the_right_prefix(tmp_path, layout, prefix):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=3, layout=layout)
+def test_three_exports_bind_with_the_right_prefix(tmp_path, export, prefix):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=3, export=export)
     weights = bind_checkpoint(ckpt)
     loc = weights.location
     assert loc.prefix == prefix
@@ -115,14 +115,14 @@ def test_only_the_towers_bytes_are_read(tmp_path):
 
 
 def test_text_only_checkpoint_is_refused(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=5, layout="nested")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=5, export="nested")
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: None if ".visual." in n else (n, d, s, b))
     with pytest.raises(GlmVitError, match="no vision tower in the checkpoint.*text-only"):
         locate_tower(ckpt)
 
 
 def test_missing_and_unexpected_tensors_are_listed(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=6, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=6, export="vision-only")
     path = ckpt / "model.safetensors"
     rewrite(path, lambda n, d, s, b: None if n == "visual.blocks.1.attn.k_norm.weight" else (n, d, s, b))
     with pytest.raises(GlmVitError, match=r"1 missing \(visual\.blocks\.1\.attn\.k_norm\.weight\)"):
@@ -135,7 +135,7 @@ def test_missing_and_unexpected_tensors_are_listed(tmp_path):
 
 @pytest.mark.parametrize("dtype, itemsize", [("F32", 4), ("F16", 2), ("F8_E4M3", 1), ("U8", 1)])
 def test_non_bf16_tower_tensor_is_refused_by_name(tmp_path, dtype, itemsize):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=7, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=7, export="vision-only")
     target = "visual.blocks.0.attn.qkv.weight"
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, dtype, s, bytes(math.prod(s) * itemsize))
             if n == target else (n, d, s, b))
@@ -154,7 +154,7 @@ def test_non_bf16_tower_tensor_is_refused_by_name(tmp_path, dtype, itemsize):
 def test_a_shape_other_than_the_stored_one_is_refused(tmp_path, target, shape):
     """Each tensor's header shape must be the one transformers stores (or the patch embedding's
     flattened alias, weights.stored_shapes): the same element count in other axes is refused."""
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, export="vision-only")
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, shape, bytes(math.prod(shape) * 2))
             if n == target else (n, d, s, b))
     want = {"visual.patch_embed.proj.weight": "[128, 3, 2, 14, 14] or [128, 1176]",
@@ -168,7 +168,7 @@ def test_a_shape_other_than_the_stored_one_is_refused(tmp_path, target, shape):
 
 def test_the_flattened_patch_embedding_is_the_same_tower(tmp_path):
     """The one alias: the patch embedding's [h, C x T x p x p] form binds to the same bits."""
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, export="vision-only")
     conv = bind_checkpoint(ckpt)
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, [128, 1176], b)
             if n == "visual.patch_embed.proj.weight" else (n, d, s, b))
@@ -186,7 +186,7 @@ def library_refusal(path: Path) -> str:
 def test_truncated_and_corrupt_shards(tmp_path):
     """A shard the safetensors library refuses is refused in one line naming the shard, the
     library's release and its reason."""
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=9, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=9, export="vision-only")
     path = ckpt / "model.safetensors"
     blob = path.read_bytes()
     for broken in (blob[:len(blob) - 1000], b"\xff" * 8 + blob[8:100], b""):
@@ -252,7 +252,7 @@ def test_a_non_finite_weight_is_refused_by_tensor_name(tmp_path, pattern):
         bind_checkpoint(ckpt)
 
 
-def test_a_non_finite_weight_of_a_bare_layout_is_named_as_the_checkpoint_names_it(tmp_path, tiny_ckpt):
+def test_a_non_finite_weight_under_bare_names_is_named_as_the_checkpoint_names_it(tmp_path, tiny_ckpt):
     """Glm5NextVisionModel.save_pretrained's bare names (what extract writes) carry no prefix:
     the tensor is named `blocks.0.norm1.weight`, not `.blocks.0.norm1.weight`."""
     from glmvit_cupy.extract import extract_tower

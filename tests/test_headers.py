@@ -39,7 +39,7 @@ DTYPE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "BOOL": 8, "U8": 8, "I8": 8, 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A single-file checkpoint: the tower between BF16, U8 and F8_E4M3 text-stack decoys."""
-    return write_checkpoint(tmp_path_factory.mktemp("hdr") / "c", GEO, seed=21, layout="nested",
+    return write_checkpoint(tmp_path_factory.mktemp("hdr") / "c", GEO, seed=21, export="nested",
                             decoy_bytes=1024)
 
 

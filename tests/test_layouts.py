@@ -1,4 +1,4 @@
-"""Every layout transformers writes binds, and gives transformers' own result: the vision model
+"""Every form transformers saves a checkpoint in binds, and gives transformers' own result: the vision model
 saved alone (bare names), the full model (model.visual.*), the bare Glm5NextModel (visual.*),
 each in one file or sharded, with a vision-only or a full-model config.json."""
 
