@@ -305,9 +305,8 @@ def zeroed_arena(elements: int) -> np.ndarray:
 
 
 def read_tower(location: TowerLocation, allocate: Callable[[int], np.ndarray] = zeroed_arena) -> TowerWeights:
-    """pread exactly the tower's byte ranges into one uint16 arena, several tensors at a time
-    (preadv releases the GIL; one thread copies from the page cache at ~5 GB/s, not enough
-    for a 1.05 GiB tower to be ready within a second).
+    """pread exactly the tower's byte ranges into one uint16 arena, several tensors at a time:
+    one thread's copy from the page cache is what binding waits for, and preadv releases the GIL.
 
     Each tensor is scanned for NaN / Inf as it lands (one NaN weight makes every embedding
     NaN) and the tower is refused by tensor name if any has one. Both backends start from this

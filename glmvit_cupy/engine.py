@@ -66,8 +66,8 @@ class GridTables:
 class CupyRuntime:
     """The device-side setup that does not depend on the weights, all on one CUDA device: the
     engine's stream, the compiled kernels and the cuBLAS handle. `GlmVit.from_pretrained`
-    builds it on a worker thread while the checkpoint is read (CUDA context, module loads and
-    cuBLAS's start-up take about as long as reading a 1.05 GiB tower from the page cache)."""
+    builds it on a worker thread while the checkpoint is read, since the CUDA context, module
+    loads and cuBLAS's start-up are as slow as reading the tower from the page cache."""
 
     def __init__(self, device: int | None = None, kernels: str = "auto") -> None:
         self.device = cupy.cuda.Device(device)  # None: the caller's current device

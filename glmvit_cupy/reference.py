@@ -77,9 +77,9 @@ def qknorm_rope(x: np.ndarray, w: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
     return x * cos + rotated * sin
 
 
-# Host memory: the forward's widest intermediates are computed a block of rows at a time, so
-# that one image at the full token budget needs ~1.3 GB beyond the weights (benchmarks/NOTES.md)
-# instead of the ~16 GB that whole [L, L] score matrices take.
+# Host memory: the forward's widest intermediates are computed a block of rows at a time, never
+# as whole [L, L] score matrices (~16 GB at the full token budget; the peak it does reach is in
+# benchmarks/NOTES.md).
 QUERY_BLOCK = 1024  # query rows of one head's scores: [1024, 32000] float32 is 131 MB
 ROW_BLOCK = 4096  # token rows through an MLP: [4096, 2 x 4096] float32 is 134 MB
 
