@@ -36,7 +36,7 @@ _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error ends the l
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
+    """Make a rename in the directory `path` durable (or, given a file, its contents)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -105,13 +105,9 @@ def safetensors_chunks(specs: list[tuple[str, str, list[int]]], data: Iterator[b
 
 def _fsync_files(directory: Path) -> None:
     """fsync every file under `directory`, then the directories themselves, deepest first."""
-    for root, dirs, files in os.walk(directory, topdown=False):
+    for root, _, files in os.walk(directory, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(Path(root) / name)
         fsync_dir(Path(root))
 
 
