@@ -156,9 +156,9 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
     offsets, which reading only the tower's bytes needs (read_tower), so they are read from the
     header it has just accepted: 8 bytes of little-endian length, then the JSON."""
     try:
-        with safe_open(path, framework="numpy"):
-            pass
-        with open(path, "rb") as f:
+        with open(path, "rb") as f:  # first, so that a directory or a file we may not read is said so
+            with safe_open(path, framework="numpy"):
+                pass
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
     except FileNotFoundError:

@@ -15,7 +15,7 @@ import safetensors
 from safetensors import safe_open
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
+from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower, read_header
 from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint
 from glmvit_cupy.weights import parameter_count, tensor_count, tower_shapes
 from glmvit_cupy.writer import write_safetensors
@@ -195,6 +195,14 @@ def test_truncated_and_corrupt_shards(tmp_path):
             locate_tower(ckpt)
         assert str(info.value) == (f"{path}: not a safetensors file that safetensors {safetensors.__version__} "
                                    f"reads: {library_refusal(path)}")
+
+
+def test_read_header_of_what_is_not_a_readable_file(tmp_path):
+    """read_header's cold paths, each one line naming the path and why."""
+    with pytest.raises(GlmVitError, match=rf"^{tmp_path}/gone.safetensors: no such file$"):
+        read_header(tmp_path / "gone.safetensors")
+    with pytest.raises(GlmVitError, match=rf"^{tmp_path}: cannot read: .*[Ii]s a directory"):
+        read_header(tmp_path)
 
 
 def test_missing_shard_and_empty_directory(tmp_path):
