@@ -3,10 +3,10 @@
 // warpgroup MMA (wgmma): compiled for sm_90a (the line above tells the loader and CI), used
 // when the device is sm_90.
 //
-// Why a second kernel: mma.sync reaches about two thirds of H100/H200 tensor throughput, and
-// at 21k-token segments attention is 70% of the tower's FLOPs. wgmma reads the B operands
-// (K, V) straight from shared memory through descriptors, so a warp no longer spends issue
-// slots and registers on ldmatrix fragments for them.
+// Why a second kernel: mma.sync cannot keep Hopper's tensor cores busy, and at long segments
+// attention is most of the tower's FLOPs (benchmarks/NOTES.md has both figures). wgmma reads
+// the B operands (K, V) straight from shared memory through descriptors, so a warp spends no
+// issue slots or registers on ldmatrix fragments for them.
 //
 // Shape: a CTA is WGS warpgroups (1, 2 or 4: one kernel each) on one (64 x WGS-query tile,
 // head); a warpgroup owns 64 query rows and each warp 16, with the same accumulator fragment
@@ -22,10 +22,10 @@
 // does: issued back to back, QK^T, softmax and PV leave the tensor cores idle during the
 // exponentials, which at head_dim 64 take as long as the MMAs. S_j, P_{j-1}, O, the row sums
 // and Q are all live at once (100 of a thread's 126 registers); 16 warps share an SM.
-// Why several warpgroups a CTA: they read each K/V tile from L2 once for all of them. Alone, in
-// short bursts, one warpgroup a CTA is fastest; in the whole forward, where a power-capped GPU's
-// clock follows power, the L2 traffic saved wins (benchmarks/NOTES.md). The engine takes the
-// widest tile that still gives every SM a CTA (flash.choose_bm).
+// Why several warpgroups a CTA: they read each K/V tile from L2 once for all of them, and on a
+// power-capped GPU, whose clock follows power, the L2 traffic saved is speed in the whole forward
+// (benchmarks/NOTES.md). The engine takes the widest tile that still gives every SM a CTA
+// (flash.choose_bm).
 // K/V tiles go through 3 shared-memory stages: tile j is read by S_j, tile j-1 by the PV still
 // in flight, and tile j+1 loads meanwhile. One thread loads them with TMA (cp.async.bulk.tensor,
 // a 64 x 64 box per instruction, 128B-swizzled by the copy engine into the layout the
@@ -33,8 +33,8 @@
 // with the bytes to expect; everyone waits on its phase. With several warpgroups, the last one
 // done with a stage (a shared counter) refills it, so none waits for the others unless it runs
 // a whole tile ahead (a CTA-wide barrier per tile would keep them in lockstep). TMA rather than
-// cp.async because the kernel is bound by instruction issue, and cp.async spends a quarter of a
-// warp's instructions on load addresses and row guards (benchmarks/NOTES.md).
+// cp.async because the kernel is bound by instruction issue, and cp.async spends a warp's
+// instructions on load addresses and row guards.
 // Reference: segment_attention in reference.py; cross-checks: flash_attention.cu, naive path.
 #include "attention.cuh"
 #include "wgmma.cuh"

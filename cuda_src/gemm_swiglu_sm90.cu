@@ -18,8 +18,7 @@
 // keeps the tensor cores waiting. Registers follow the jobs (setmaxnreg): producer 40,
 // epilogue 96, MMA 184 (128 accumulators).
 // Tiles go n-fastest, so the CTAs in flight share their X rows in L2; W (16 MiB for a block)
-// stays in L2 as well. Tried and not kept (benchmarks/NOTES.md): clusters of 2 CTAs
-// multicasting the W tiles; a non-persistent grid; IEEE division in silu.
+// stays in L2 as well.
 // Barriers: per stage full[s] (its TMA bytes) and empty[s] (one arrival per MMA warpgroup once
 // the wgmma group that read it has completed); per tile staged (256 MMA threads have written the
 // staging tile) and drained (the 128 epilogue threads have read it).

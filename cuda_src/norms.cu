@@ -1,11 +1,11 @@
 // norms.cu — the tower's two normalisations, statistics in float32.
 //
-// rmsnorm_bias: weight-only RMSNorm, w * v / sqrt(mean(v^2) + eps), of v = x + b: x is the
-//   float32 residual stream WITHOUT the biases of the GEMMs that accumulate into it (patch
-//   embed, attention proj, MLP down: cuBLAS adds into the stream with beta = 1 and cannot add
-//   a bias), b the float32 running sum of those biases, precomputed at load. So no kernel
-//   ever rewrites the stream to add a bias: this one reads the row and b, and writes only its
-//   BF16 output, the next GEMM's operand.
+// rmsnorm_bias: weight-only RMSNorm, w * v / sqrt(mean(v^2) + eps), of v = x + deferred_bias:
+//   x is the float32 residual stream WITHOUT the biases of the GEMMs that accumulate into it
+//   (patch embed, attention proj, MLP down: cuBLAS adds into the stream with beta = 1 and cannot
+//   add a bias), deferred_bias the float32 running sum of those biases, precomputed at load
+//   (weights.deferred_bias). So no kernel ever rewrites the stream to add a bias: this one reads
+//   the row and deferred_bias, and writes only its BF16 output, the next GEMM's operand.
 // layernorm_gelu: the merger's mean-subtracting, biased LayerNorm followed by exact (erf)
 //   GELU, float32 in, BF16 out; one row per block (it runs once, on M = P / 4 rows).
 // Rows are re-read from L1/L2 between passes rather than cached in registers, so one kernel
@@ -14,8 +14,8 @@
 
 // A warp per row, ROWS rows a block: the sum of squares is a warp shuffle, with no block barrier.
 // A lane reads its columns in sweeps of SWEEP float4 whose loads are all issued before the first
-// is used: with one load in flight at a time, a short grid (448x448: 1024 rows) leaves the warps
-// waiting on latency.
+// is used: with one load in flight at a time, a short grid (448x448: 1024 rows) would leave the
+// warps waiting on latency.
 constexpr int SWEEP = 8;  // float4 per lane and sweep: a 1024-wide row is one sweep
 constexpr int ROWS = 8;   // rows (warps) a block of rmsnorm_bias; the launcher reads it from here
 
@@ -23,12 +23,12 @@ __device__ __forceinline__ float4 add4(float4 v, float4 b) {
     return make_float4(v.x + b.x, v.y + b.y, v.z + b.z, v.w + b.w);
 }
 
-__device__ __forceinline__ float4 biased(const float* row, const float* bias, int i) {
-    return add4(*reinterpret_cast<const float4*>(row + i), *reinterpret_cast<const float4*>(bias + i));
+__device__ __forceinline__ float4 biased(const float* row, const float* deferred_bias, int i) {
+    return add4(*reinterpret_cast<const float4*>(row + i), *reinterpret_cast<const float4*>(deferred_bias + i));
 }
 
 extern "C" __global__ void __launch_bounds__(32 * ROWS)
-rmsnorm_bias(const float* __restrict__ x, const float* __restrict__ bias, const bf16* __restrict__ w,
+rmsnorm_bias(const float* __restrict__ x, const float* __restrict__ deferred_bias, const bf16* __restrict__ w,
              bf16* __restrict__ out, int rows, int n, float eps) {
     const int row_id = blockIdx.x * ROWS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row_id >= rows) return;  // whole warps leave: the shuffles below see all 32 lanes
@@ -40,7 +40,7 @@ rmsnorm_bias(const float* __restrict__ x, const float* __restrict__ bias, const 
         for (int c = 0; c < SWEEP; ++c) {
             if (base + 128 * c < n) {
                 v[c] = *reinterpret_cast<const float4*>(row + base + 128 * c);
-                b[c] = *reinterpret_cast<const float4*>(bias + base + 128 * c);
+                b[c] = *reinterpret_cast<const float4*>(deferred_bias + base + 128 * c);
             }
         }
         #pragma unroll
@@ -54,7 +54,7 @@ rmsnorm_bias(const float* __restrict__ x, const float* __restrict__ bias, const 
     const float r = rsqrtf(warp_sum(ss) / n + eps);
     bf16* o = out + (long long)row_id * n;
     for (int i = lane * 4; i < n; i += 128) {  // the row again, from L1
-        const float4 v = biased(row, bias, i), g = load4_bf16(w + i);
+        const float4 v = biased(row, deferred_bias, i), g = load4_bf16(w + i);
         *reinterpret_cast<uint2*>(o + i) = pack4_bf16(v.x * r * g.x, v.y * r * g.y, v.z * r * g.z, v.w * r * g.w);
     }
 }

@@ -31,8 +31,8 @@ extern "C" __global__ void rope_tables(const int* __restrict__ pos, const float*
 // stores, the RMS a G-lane shuffle sum, and the rotate-half partner (hd / 2 elements away) is
 // lane ^ G/2, exchanged by shuffle. q and k of all heads are the first 2 * heads vectors of a
 // QKV row, so thread t's vector is simply t / G. v is not touched (its bias is folded into the
-// residual stream, see weights.bias_sums). Vectors, not a warp per token and head with 2-byte
-// loads through shared memory: that shape left most of the memory bandwidth unused.
+// residual stream, see weights.deferred_bias). 16-byte accesses because the kernel is bound by
+// memory bandwidth.
 extern "C" __global__ void __launch_bounds__(256)
 qknorm_rope(bf16* __restrict__ qkv, const bf16* __restrict__ bias, const bf16* __restrict__ q_w,
             const bf16* __restrict__ k_w, const float* __restrict__ cos_t, const float* __restrict__ sin_t,

@@ -54,7 +54,7 @@ def median_ms(run: Callable[[], object], stream, warmup: int = 3, iters: int = 2
 
 def sustained_ms(run: Callable[[], object], stream, seconds: float, iters: int = 20) -> float:
     """median_ms after `seconds` of back-to-back calls, at the clock the board's power cap holds
-    under that load (an H200 under tensor-core load: about 1.5 GHz, against 1.98 in a burst)."""
+    under that load, below the one a short burst runs at (benchmarks/NOTES.md)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         run()

@@ -5,18 +5,18 @@ A full GLM-5.3-Flash checkpoint is hundreds of GB, almost all of it the text/MoE
 of BF16 under one of three prefixes, or under none: `Glm5NextVisionModel.save_pretrained`
 writes the bare names (`blocks.0.attn.qkv.weight`). So binding is two steps:
 
-1. `locate_tower` reads config.json, the shard index and the JSON headers of the shards
-   that hold tower tensors (never a byte of tensor data), probes the prefix, takes the
-   census (depth x 14 + 11 names, missing and unexpected ones listed) and checks every
-   tower tensor's dtype (BF16 only; anything else is refused by name, never reinterpreted)
-   and its header shape, exactly one of those `weights.stored_shapes` lists (read flattened
-   to the `[rows, cols]` the engines take).
+1. `locate_tower` reads config.json, the shard index and the headers of the shards that
+   hold tower tensors (never a byte of tensor data), probes the prefix, takes the census
+   (every name `weights.tower_shapes` lists, missing and unexpected ones named) and checks
+   every tower tensor's dtype (BF16 only; anything else is refused by name, never
+   reinterpreted) and its header shape, exactly one of those `weights.stored_shapes` lists
+   (read flattened to the `[rows, cols]` the engines take).
 2. `read_tower` preads exactly those byte ranges into one host arena of raw 16-bit patterns.
 
-The header is parsed here rather than through the `safetensors` package: its numpy backend
-cannot hand out BF16 (numpy has no bfloat16) and it does not expose the byte offsets that
-reading only the tower needs. The format is 8 bytes of little-endian header length, a JSON
-header of `{name: {dtype, shape, data_offsets}}`, then the data.
+The safetensors library judges each header (`read_header`); the rest is ours because its
+Python API cannot do it: it gives no byte offsets, and it reads a tensor into an array of its
+own (its numpy backend has no bfloat16), where the arena needs the bytes in place, several
+tensors at a time, in memory that devices.py may share between processes.
 
 The arena's order is chosen for the GPU: each block's gate and up projections (weights, and
 biases) are adjacent, so the engine runs them as ONE GEMM against a `[2 x intermediate, h]`
@@ -33,15 +33,20 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors import __version__ as SAFETENSORS_VERSION
 
 from .errors import GlmVitError, InternalError
 from .geometry import GlmVitGeometry, load_geometry
-from .weights import FUSED_PAIRS, stored_shapes, tower_shapes
+from .weights import (BLOCK_NAMES, EMBED_NAMES, FUSED_PAIRS, MERGER_NAMES, GlmVitBlock, GlmVitMerger, GlmVitTensors,
+                      stored_shapes, tower_shapes)
 
-# Probed in this order; "" is the bare layout of a saved Glm5NextVisionModel, last because
+A = TypeVar("A")
+
+# Probed in this order; "" is the bare names of a saved Glm5NextVisionModel, last because
 # only a vision-only file has a top-level patch_embed.
 TOWER_PREFIXES = ("model.visual", "model.language_model.visual", "visual", "")
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,6 +105,18 @@ class TowerWeights:
         start = self.offsets[name]
         return self.arena[start:start + math.prod(shape)].reshape(shape)
 
+    def structure(self, convert: Callable[[np.ndarray], A]) -> GlmVitTensors[A]:
+        """The tensors arranged as blocks + merger; `convert` turns each raw view (`raw`, or a
+        gate|up pair's `fused`) into the backend's array (widened float32 for NumPy, a device
+        view of the uploaded arena for CuPy; the raw views themselves for deferred_bias)."""
+        def fields(names: dict[str, str | tuple[str, str]], prefix: str = "") -> dict[str, A]:
+            return {field: convert(self.raw(prefix + n) if isinstance(n, str) else
+                                   self.fused(prefix + n[0], prefix + n[1]))
+                    for field, n in names.items()}
+
+        blocks = [GlmVitBlock(**fields(BLOCK_NAMES, f"blocks.{i}.")) for i in range(self.location.geometry.depth)]
+        return GlmVitTensors(**fields(EMBED_NAMES), blocks=blocks, merger=GlmVitMerger(**fields(MERGER_NAMES)))
+
     def fused(self, first: str, second: str) -> np.ndarray:
         """A FUSED_PAIRS pair as one tensor (first's rows, then second's): a view, no copy."""
         a, b = self.raw(first), self.raw(second)
@@ -111,171 +128,52 @@ class TowerWeights:
 
 
 def tensor_name(prefix: str, short: str) -> str:
-    """`prefix.short`, or `short` alone under the bare layout (prefix "")."""
+    """`prefix.short`, or `short` alone under the bare names (prefix "")."""
     return f"{prefix}.{short}" if prefix else short
 
 
 def tower_tensor_names(names: Iterable[str], prefix: str) -> list[str]:
-    """The names under `prefix` (every name, for the bare layout: a vision-only file)."""
+    """The names under `prefix` (every name, for the bare names: a vision-only file)."""
     return [n for n in names if not prefix or n.startswith(prefix + ".")]
-
-
-# The header rules of the safetensors library (safetensors/src/tensor.rs: `read_metadata`,
-# `Metadata::validate`, `Dtype::bitsize`; serde_json's parser), every one enforced here.
-MAX_HEADER_BYTES = 100_000_000  # its MAX_HEADER_SIZE
-DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
-              "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
-              "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64,
-              "I64": 64, "U64": 64}
-USIZE_LIMIT = 1 << 64  # shapes, offsets and sizes are usize: every product must fit in 64 bits
-JSON_MAX_DEPTH = 128  # serde_json's recursion limit
 
 
 @dataclasses.dataclass(frozen=True)
 class HeaderEntry:
-    """One tensor's header entry, validated: its bytes are [begin, end) of the data section."""
+    """One tensor of a safetensors file: its bytes are [begin, end) of the file."""
 
-    dtype: str
+    dtype: str  # as the format spells it: BF16, U8, F8_E4M3, ...
     shape: tuple[int, ...]
     begin: int
     end: int
 
 
-def _json_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        twice = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"key {twice!r} appears twice")
-    return dict(pairs)
+def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """The tensors of a safetensors file (name -> entry, at absolute byte offsets) and its
+    __metadata__, in a file the safetensors library accepts.
 
-
-def _json_int(literal: str) -> int | float:
-    # serde_json reads "-0" (JSON's only signed zero integer) as a float, which no usize field
-    # accepts; Python would make it the int 0.
-    return -0.0 if literal == "-0" else int(literal)
-
-
-def _json_float(literal: str) -> float:
-    value = float(literal)
-    if math.isinf(value):
-        raise ValueError(f"number {literal} out of range")
-    return value
-
-
-def _json_constant(literal: str) -> None:
-    raise ValueError(f"{literal} is not JSON")
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of parsed JSON (an object or array counts one level), without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, level)
-            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
-def _usize_list(value: Any, length: int | None = None) -> list[int] | None:
-    """`value` as a list of usize (JSON non-negative integers below 2^64), else None."""
-    if not isinstance(value, list) or (length is not None and len(value) != length):
-        return None
-    if not all(type(v) is int and 0 <= v < USIZE_LIMIT for v in value):
-        return None
-    return value
-
-
-def _header_entry(shard: Path, name: str, meta: Any) -> HeaderEntry:
-    """One tensor's {dtype, shape, data_offsets}, typed and self-consistent (size vs offsets)."""
-    if not isinstance(meta, dict):
-        raise GlmVitError(f"{shard}: {name}: header entry is a {type(meta).__name__}, expected "
-                          "{dtype, shape, data_offsets}")
-    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in meta]
-    if missing:
-        raise GlmVitError(f"{shard}: {name}: header entry lacks {', '.join(missing)}")
-    dtype, shape, offsets = meta["dtype"], _usize_list(meta["shape"]), _usize_list(meta["data_offsets"], 2)
-    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise GlmVitError(f"{shard}: {name}: dtype {dtype!r} is not a safetensors dtype")
-    if shape is None:
-        raise GlmVitError(f"{shard}: {name}: shape {meta['shape']!r} is not a list of non-negative "
-                          "64-bit integers")
-    if offsets is None:
-        raise GlmVitError(f"{shard}: {name}: data_offsets {meta['data_offsets']!r} is not [begin, end] "
-                          "of non-negative 64-bit integers")
-    begin, end = offsets
-    if end < begin:
-        raise GlmVitError(f"{shard}: {name}: data_offsets [{begin}, {end}] end before they begin")
-    count = 1
-    for dim in shape:  # checked at every step, as usize::checked_mul is
-        count *= dim
-        if count >= USIZE_LIMIT:
-            raise GlmVitError(f"{shard}: {name}: shape {shape} overflows 64 bits")
-    bits = count * DTYPE_BITS[dtype]
-    if bits >= USIZE_LIMIT:
-        raise GlmVitError(f"{shard}: {name}: shape {shape} of {dtype} overflows 64 bits")
-    if bits % 8:
-        raise GlmVitError(f"{shard}: {name}: {count} {dtype} values ({bits} bits) do not fill whole bytes")
-    if end - begin != bits // 8:
-        raise GlmVitError(f"{shard}: {name}: shape {shape} of {dtype} is {bits // 8} bytes, but "
-                          f"data_offsets [{begin}, {end}] hold {end - begin}")
-    return HeaderEntry(dtype, tuple(shape), begin, end)
-
-
-def _read_header(shard: Path) -> tuple[dict[str, HeaderEntry], int, int]:
-    """(validated tensor entries, absolute offset of the data section, file size) of one shard.
-
-    As strict as the safetensors library: a header it refuses is refused here, by shard and
-    tensor. Beyond it, duplicate keys (which it resolves silently, the last one winning) are
-    refused too."""
+    The library judges the whole header (its JSON, every dtype, shapes against byte ranges, the
+    data section covered exactly with nothing after it). Its Python API does not give the byte
+    offsets, which reading only the tower's bytes needs (read_tower), so they are read from the
+    header it has just accepted: 8 bytes of little-endian length, then the JSON."""
     try:
-        size = shard.stat().st_size
-        with open(shard, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise GlmVitError(f"{shard}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES:
-                raise GlmVitError(f"{shard}: corrupt safetensors header (claims {n} bytes; the format's "
-                                  f"limit is {MAX_HEADER_BYTES})")
-            if n > size - 8:
-                raise GlmVitError(f"{shard}: corrupt safetensors header (claims {n} bytes in a "
-                                  f"{size}-byte file)")
-            text = f.read(n).decode("utf-8")
-        header = json.loads(text, object_pairs_hook=_json_pairs, parse_int=_json_int,
-                            parse_float=_json_float, parse_constant=_json_constant)
-        # A lone surrogate escape ("\ud800") parses in Python, not in serde_json.
-        json.dumps(header, ensure_ascii=False).encode("utf-8")
+        with open(path, "rb") as f:  # first, so that a directory or a file we may not read is said so
+            with safe_open(path, framework="numpy"):
+                pass
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
     except FileNotFoundError:
-        raise GlmVitError(f"{shard}: shard listed in the checkpoint is missing") from None
-    except (OSError, UnicodeError, ValueError, RecursionError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else exc
-        raise GlmVitError(f"{shard}: cannot read safetensors header: {reason}") from None
-    if not isinstance(header, dict):
-        raise GlmVitError(f"{shard}: corrupt safetensors header (not a JSON object)")
-    if _depth(header) > JSON_MAX_DEPTH:
-        raise GlmVitError(f"{shard}: corrupt safetensors header (nested deeper than {JSON_MAX_DEPTH} levels)")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (isinstance(metadata, dict) and all(
-            isinstance(v, str) for v in metadata.values())):
-        raise GlmVitError(f"{shard}: corrupt safetensors header (__metadata__ must map strings to strings)")
-    entries = {name: _header_entry(shard, name, meta) for name, meta in header.items()}
-    # The data section is the tensors back to back in offset order: from byte 0, no gap, no
-    # overlap, and nothing after the last one.
-    covered, last = 0, None
-    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if e.begin < covered:
-            raise GlmVitError(f"{shard}: {name}: bytes [{e.begin}, {e.end}) overlap {last}'s, which end at "
-                              f"{covered}")
-        if e.begin > covered:
-            raise GlmVitError(f"{shard}: {name}: bytes [{e.begin}, {e.end}) leave [{covered}, {e.begin}) "
-                              f"of the data section to no tensor")
-        covered, last = e.end, name
-    if 8 + n + covered != size:
-        raise GlmVitError(f"{shard}: the tensors cover {covered} bytes of data but the file holds "
-                          f"{size - 8 - n} after its header: the shard is "
-                          f"{'truncated' if 8 + n + covered > size else 'followed by stray bytes'}")
-    return entries, 8 + n, size
+        raise GlmVitError(f"{path}: no such file") from None
+    except SafetensorError as exc:
+        reason = " ".join(str(exc).split())
+        raise GlmVitError(f"{path}: not a safetensors file that safetensors {SAFETENSORS_VERSION} reads: "
+                          f"{reason}") from None
+    except OSError as exc:
+        raise GlmVitError(f"{path}: cannot read: {exc.strerror}") from None
+    metadata = header.pop("__metadata__", None) or {}
+    data = 8 + n
+    entries = {name: HeaderEntry(meta["dtype"], tuple(meta["shape"]), data + meta["data_offsets"][0],
+                                 data + meta["data_offsets"][1]) for name, meta in header.items()}
+    return entries, metadata
 
 
 def tensor_names(directory: Path) -> dict[str, Path]:
@@ -297,7 +195,7 @@ def tensor_names(directory: Path) -> dict[str, Path]:
         return {name: directory / shard for name, shard in weight_map.items()}
     single = directory / SINGLE_FILE
     if single.is_file():
-        header, _, _ = _read_header(single)
+        header, _ = read_header(single)
         return {name: single for name in header}
     raise GlmVitError(f"{directory}: no safetensors checkpoint (expected {INDEX_FILE} or {SINGLE_FILE})")
 
@@ -344,15 +242,16 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
     expected, stored = tower_shapes(geo), stored_shapes(geo)
     _census(names, prefix, expected, directory)
 
-    headers: dict[Path, tuple[dict[str, HeaderEntry], int, int]] = {}
+    headers: dict[Path, dict[str, HeaderEntry]] = {}
     entries: dict[str, TensorEntry] = {}
     for short, want in expected.items():
         name = tensor_name(prefix, short)
         shard = names[name]
         if shard not in headers:
-            headers[shard] = _read_header(shard)
-        header, data_start, _ = headers[shard]
-        meta = header.get(name)
+            if not shard.is_file():
+                raise GlmVitError(f"{shard}: shard listed in the checkpoint is missing")
+            headers[shard] = read_header(shard)[0]
+        meta = headers[shard].get(name)
         if meta is None:
             raise GlmVitError(f"{shard}: the index places {name} in this shard, but its header lacks it")
         if meta.dtype != "BF16":
@@ -364,13 +263,12 @@ def locate_tower(model_dir: str | Path) -> TowerLocation:
             raise GlmVitError(
                 f"{shard}: {name} has shape {list(meta.shape)}; config.json's geometry expects "
                 f"{' or '.join(str(list(s)) for s in stored[short])}")
-        # The header's offsets agree with its shape and lie inside the file (_read_header).
-        nbytes = meta.end - meta.begin
-        entries[short] = TensorEntry(shard, data_start + meta.begin, nbytes, want, meta.shape)
+        # The library has checked the offsets against the shape and the file (read_header).
+        entries[short] = TensorEntry(shard, meta.begin, meta.end - meta.begin, want, meta.shape)
     return TowerLocation(geo, prefix, entries)
 
 
-def _arena_layout(location: TowerLocation) -> tuple[dict[str, int], int]:
+def _arena_offsets(location: TowerLocation) -> tuple[dict[str, int], int]:
     """Element offset of each tensor in the arena; FUSED_PAIRS partners follow with no gap."""
     offsets: dict[str, int] = {}
     cursor = 0  # bytes
@@ -407,15 +305,14 @@ def zeroed_arena(elements: int) -> np.ndarray:
 
 
 def read_tower(location: TowerLocation, allocate: Callable[[int], np.ndarray] = zeroed_arena) -> TowerWeights:
-    """pread exactly the tower's byte ranges into one uint16 arena, several tensors at a time
-    (preadv releases the GIL; one thread copies from the page cache at ~5 GB/s, not enough
-    for a 1.05 GiB tower to be ready within a second).
+    """pread exactly the tower's byte ranges into one uint16 arena, several tensors at a time:
+    one thread's copy from the page cache is what binding waits for, and preadv releases the GIL.
 
     Each tensor is scanned for NaN / Inf as it lands (one NaN weight makes every embedding
     NaN) and the tower is refused by tensor name if any has one. Both backends start from this
     arena (the GPU engine uploads it as is), so this one host check covers both. `allocate`
     returns the zeroed uint16 arena of a given length (devices.py's lives in shared memory)."""
-    offsets, total = _arena_layout(location)
+    offsets, total = _arena_offsets(location)
     arena = allocate(-(-total // ARENA_ALIGN) * ARENA_ALIGN // 2)
     as_bytes = memoryview(arena).cast("B")
     fds: dict[Path, int] = {}

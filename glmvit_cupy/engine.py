@@ -8,7 +8,8 @@ differences are where the data lives and how it is rounded:
   write or accumulate into it directly (beta = 1), bias-free: the stream holds x minus the
   running sum of those biases, and each norm kernel adds that sum (precomputed at load, one
   float32 vector per norm) as it reads the row. The q, k and gate|up biases are added by the
-  kernels that consume those products; the v bias rides in the same running sums (bias_sums).
+  kernels that consume those products; the v bias rides in the same running sums
+  (weights.deferred_bias).
 - Attention is the fused flash kernel (default) or the materialised path (attention="naive":
   f32 score GEMM, softmax_rows, PV GEMM), kept as the cross-check and for other head dims.
 - On Hopper the MLPs' gate|up GEMM and clamped SwiGLU are one kernel (gemm_swiglu_sm90.cu)
@@ -41,10 +42,10 @@ from .kernels import QKNORM_HEAD_DIMS, Kernels
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
 from .reference import LAYERNORM_EPS
 from .scratch import GlmVitScratch, scratch_plan
-from .weights import GlmVitTensors, bias_sums, structure
+from .weights import GlmVitTensors, deferred_bias
 
 ATTENTION = ("auto", "flash", "naive")
-MAX_GRAPHS = 16  # captured shapes kept (each is a few hundred nodes and no memory of its own)
+GRIDS_KEPT = 16  # grids whose host tables and CUDA graph are kept (a graph: a few hundred nodes, no memory of its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,8 @@ class GridTables:
 class CupyRuntime:
     """The device-side setup that does not depend on the weights, all on one CUDA device: the
     engine's stream, the compiled kernels and the cuBLAS handle. `GlmVit.from_pretrained`
-    builds it on a worker thread while the checkpoint is read (CUDA context, module loads and
-    cuBLAS's start-up take about as long as reading a 1.05 GiB tower from the page cache)."""
+    builds it on a worker thread while the checkpoint is read, since the CUDA context, module
+    loads and cuBLAS's start-up are as slow as reading the tower from the page cache."""
 
     def __init__(self, device: int | None = None, kernels: str = "auto") -> None:
         self.device = cupy.cuda.Device(device)  # None: the caller's current device
@@ -139,7 +140,7 @@ class CupyTower:
             start = (raw.ctypes.data - base) // 2
             return self.arena[start:start + raw.size].reshape(raw.shape)
 
-        self.w: GlmVitTensors[cupy.ndarray] = structure(weights, on_device)
+        self.w: GlmVitTensors[cupy.ndarray] = weights.structure(on_device)
         # The fused gate|up kernel needs whole tiles of K and of the intermediate width (the real
         # tower's 1024/4096 and 4096/10240 are). It reads each gate|up weight through a TMA
         # descriptor made here, once; those of its inputs live in the scratch.
@@ -147,7 +148,7 @@ class CupyTower:
         self.fused_mlp = self.k.hopper and all(self.k.gemm.takes(k, n) for k, n in mlps)
         gate_up_ws = [blk.gate_up_w for blk in self.w.blocks] + [self.w.merger.gate_up_w]
         with self.stream:
-            self.shifts = cupy.asarray(bias_sums(weights))  # [2 * depth + 1, h], see bias_sums
+            self.deferred_bias = cupy.asarray(deferred_bias(weights.structure(lambda raw: raw)))  # [2 x depth + 1, h]
             self.gate_up_maps = (cupy.asarray(np.stack([self.k.gate_up_map(w) for w in gate_up_ws]))
                                  if self.fused_mlp else None)  # [depth + 1, 128] bytes, the merger's last
         self.scratch: GlmVitScratch | None = None
@@ -243,7 +244,7 @@ class CupyTower:
         return p
 
     def grid_tables(self, grid_thw: np.ndarray) -> GridTables:
-        """The host tables of a grid (cached for the last MAX_GRAPHS grids)."""
+        """The host tables of a grid (cached for the last GRIDS_KEPT grids)."""
         key = grid_thw.tobytes()
         if key in self.tables:
             self.tables.move_to_end(key)
@@ -256,7 +257,7 @@ class CupyTower:
                             block_major_positions(grid_thw, geo.spatial_merge_size),
                             self.k.qkv_map(self._scratch().qkv[:p]) if self.k.hopper else None)
         self.tables[key] = tables
-        if len(self.tables) > MAX_GRAPHS:
+        if len(self.tables) > GRIDS_KEPT:
             self.tables.popitem(last=False)
         return tables
 
@@ -273,7 +274,7 @@ class CupyTower:
                 self.stream.begin_capture()
                 self._body(p, tables.segments, tables.work, None)
                 graph = self.graphs[key] = self.stream.end_capture()
-                if len(self.graphs) > MAX_GRAPHS:
+                if len(self.graphs) > GRIDS_KEPT:
                     self.graphs.popitem(last=False)
             else:
                 self.graphs.move_to_end(key)
@@ -293,16 +294,16 @@ class CupyTower:
         cos, sin = s.rope_cos[:p], s.rope_sin[:p]
 
         k.rope_tables(s.positions[:p], self.inv_freq, cos, sin)  # step 4's angles
-        blas.linear(resid, s.pixels[:p], w.patch_embed_w)  # step 1 (bias: in self.shifts)
+        blas.linear(resid, s.pixels[:p], w.patch_embed_w)  # step 1 (bias: in self.deferred_bias)
         mark("patch_embed")
         for i, blk in enumerate(w.blocks):  # step 5
-            k.rmsnorm_bias(resid, self.shifts[2 * i], blk.norm1_w, normed, eps)
+            k.rmsnorm_bias(resid, self.deferred_bias[2 * i], blk.norm1_w, normed, eps)
             blas.linear(qkv, normed, blk.qkv_w)
             k.qknorm_rope(qkv, blk.qkv_b, blk.q_norm_w, blk.k_norm_w, cos, sin, geo.num_heads, eps)
             self._attention(qkv, s.qkv_map, normed, segments, s.tiles, work)  # attention output -> normed
             blas.linear(resid, normed, blk.proj_w, accumulate=True)
             mark("attention_sublayer")
-            k.rmsnorm_bias(resid, self.shifts[2 * i + 1], blk.norm2_w, normed, eps)
+            k.rmsnorm_bias(resid, self.deferred_bias[2 * i + 1], blk.norm2_w, normed, eps)
             self._mlp(normed, resid, blk.gate_up_w, blk.gate_up_b, blk.down_w, s.mlp, accumulate=True,
                       maps=(s.normed_map, self.gate_up_maps[i]) if self.fused_mlp else None)
             mark("mlp_sublayer")
@@ -357,7 +358,8 @@ class CupyTower:
     def _merger(self, p: int) -> None:
         geo, s, k, blas, mw = self.geo, self.scratch, self.k, self.blas, self.w.merger
         m = p // geo.merge_unit
-        k.rmsnorm_bias(s.resid[:p], self.shifts[-1], mw.post_layernorm_w, s.normed[:p], geo.rms_norm_eps)  # step 6
+        k.rmsnorm_bias(s.resid[:p], self.deferred_bias[-1], mw.post_layernorm_w, s.normed[:p],  # step 6
+                       geo.rms_norm_eps)
         k.im2col_2x2(s.normed[:p], s.merge_a[:m])  # step 7
         blas.linear(s.last_hidden[:m], s.merge_a[:m], mw.downsample_w)
         k.bias_to_bf16(s.last_hidden[:m], mw.downsample_b, s.last_hidden_bf16[:m])

@@ -17,12 +17,13 @@ import json
 import os
 from pathlib import Path
 
+from .bf16 import bf16_array
 from .checkpoint import SINGLE_FILE, TowerLocation, locate_tower, read_tower
 from .errors import GlmVitError
 from .geometry import CONFIG_FILE, vision_config
 from .hub import resolve_model
 from .preprocess import PREPROCESSOR_FILE
-from .writer import atomic_directory, write_file, write_safetensors
+from .writer import atomic_directory, write_safetensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +45,18 @@ def extract_tower(source: str | os.PathLike, destination: str | os.PathLike) -> 
     location = locate_tower(src)
     weights = read_tower(location)
     config = {"architectures": ["Glm5NextVisionModel"], **vision_config(location.geometry), "dtype": "bfloat16"}
-    specs = [(short, "BF16", list(entry.stored_shape)) for short, entry in location.entries.items()]
     files = [CONFIG_FILE, SINGLE_FILE]
     with atomic_directory(dst) as tmp:
-        write_file(tmp / CONFIG_FILE, [(json.dumps(config, indent=2) + "\n").encode()])
-        write_safetensors(tmp / SINGLE_FILE, specs,
-                          (weights.raw(short).reshape(-1).view("uint8") for short in location.entries))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        write_safetensors(tmp / SINGLE_FILE, {
+            short: bf16_array(weights.raw(short)).reshape(entry.stored_shape)
+            for short, entry in location.entries.items()})
         processor = src / PREPROCESSOR_FILE
         if processor.is_file():
             try:
                 content = processor.read_bytes()
             except OSError as exc:
                 raise GlmVitError(f"{processor}: cannot read: {exc.strerror}") from None
-            write_file(tmp / PREPROCESSOR_FILE, [content])
+            (tmp / PREPROCESSOR_FILE).write_bytes(content)
             files.append(PREPROCESSOR_FILE)
     return Extracted(src, dst, location, weights.bytes_read, files)

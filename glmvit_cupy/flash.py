@@ -87,9 +87,9 @@ class FlashWork(NamedTuple):
 
 def tail_pieces(rem: int, slots: int, most: int) -> int:
     """Pieces each of a tail's `rem` CTAs is cut into: rem x p pieces take ceil(rem x p / slots)
-    rounds of 1/p each. The fewest that keep 90% of those rounds' slots busy (2044x2044 on an
-    H200: 24 x 5 = 120 of 132; 1036x1036: 88 x 3 = two rounds of 132); failing that, the p that
-    finishes soonest; 0 where no cut beats the whole round the tail takes uncut."""
+    rounds of 1/p each. The fewest that keep 90% of those rounds' slots busy (24 CTAs left on
+    132 slots: 5 pieces each, 120 busy); failing that, the p that finishes soonest; 0 where no
+    cut beats the whole round the tail takes uncut."""
     best, best_time = 0, 1.0
     for p in range(2, most + 1):
         rounds = -(-rem * p // slots)

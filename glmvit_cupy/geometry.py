@@ -6,7 +6,7 @@ model's shape but an engine's choice (`patch_budget`): several engines with diff
 budgets can share one bound checkpoint. The constructor refuses a geometry the math or the
 kernels cannot run, and each refusal names the numbers.
 
-config.json comes in two layouts: the full GLM-5.3-Flash model (`model_type` glm5_next,
+config.json comes in two forms: the full GLM-5.3-Flash model (`model_type` glm5_next,
 the tower under a nested `vision_config`) and a vision-only export (`model_type`
 glm5_next_vision). A field the file leaves out takes the released checkpoint's value,
 NOT transformers' `Glm5NextVisionConfig()` default: that class says out_hidden 1536 where
@@ -110,20 +110,6 @@ class GlmVitGeometry:
         """Patches per merged token (4: one 2x2 block)."""
         return self.spatial_merge_size ** 2
 
-    @property
-    def tensor_count(self) -> int:
-        """depth x 14 block tensors + 11 non-block tensors: 347 for the real tower."""
-        return self.depth * 14 + 11
-
-    @property
-    def parameter_count(self) -> int:
-        h, i, o, pi = (self.hidden_size, self.intermediate_size, self.out_hidden_size,
-                       self.projection_intermediate_size)
-        block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * self.head_dim + 3 * (h * i) + 2 * i + h
-        merger = h + (o * h * self.merge_unit + o) + o * o + 2 * o + 3 * o * pi
-        return self.depth * block + (h * self.patch_dim + h) + merger
-
-
 
 def patch_budget(geo: GlmVitGeometry, max_pixels: int | None = None,
                  max_image_tokens: int = MAX_IMAGE_TOKENS) -> int:
@@ -211,7 +197,7 @@ def vision_config(geo: GlmVitGeometry) -> dict:
 
 
 def load_geometry(model_dir: str | Path) -> GlmVitGeometry:
-    """Read `model_dir/config.json` in either layout; refuse text-only and foreign configs."""
+    """Read `model_dir/config.json` in either form; refuse text-only and foreign configs."""
     path = Path(model_dir) / CONFIG_FILE
     try:
         config = json.loads(path.read_text())

@@ -134,11 +134,13 @@ class Kernels:
                                (canvases, images, np.int32(n_images), table, out, np.int32(out.shape[0]),
                                 np.int32(patch), np.int32(temporal)))
 
-    def rmsnorm_bias(self, x: cupy.ndarray, bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,
+    def rmsnorm_bias(self, x: cupy.ndarray, deferred_bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,
                      eps: float) -> None:
+        """out = rmsnorm(x + deferred_bias) * w, row by row: deferred_bias is one row of
+        weights.deferred_bias, x the residual stream without it."""
         rows, n = x.shape
         self._f["rmsnorm_bias"]((-(-rows // self._norm_rows),), (32 * self._norm_rows,),
-                                (x, bias, w, out, np.int32(rows), np.int32(n), np.float32(eps)))
+                                (x, deferred_bias, w, out, np.int32(rows), np.int32(n), np.float32(eps)))
 
     def layernorm_gelu(self, x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
                        eps: float) -> None:

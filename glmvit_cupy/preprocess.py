@@ -182,12 +182,13 @@ def settings_from(file: dict, where: str, path: Path | None, fields: Sequence[st
 def check_processor(processor: ProcessorConfig, geo: GlmVitGeometry) -> None:
     """The processor must cut the patches the tower embeds (transformers would fail later, on a
     shape mismatch inside the model)."""
-    for mine, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
-                         ("merge_size", "spatial_merge_size")):
-        if getattr(processor, mine) != getattr(geo, theirs):
-            raise GlmVitError(f"processor {mine} {getattr(processor, mine)} disagrees with the tower's "
-                              f"{theirs} {getattr(geo, theirs)} (config.json): fix preprocessor_config.json "
-                              "or the option")
+    fields = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+              ("merge_size", "spatial_merge_size"))
+    for processor_field, geometry_field in fields:
+        cut, embedded = getattr(processor, processor_field), getattr(geo, geometry_field)
+        if cut != embedded:
+            raise GlmVitError(f"processor {processor_field} {cut} disagrees with the tower's {geometry_field} "
+                              f"{embedded} (config.json): fix preprocessor_config.json or the option")
 
 
 def smart_resize(height: int, width: int, *, factor: int, temporal_factor: int,

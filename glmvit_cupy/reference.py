@@ -21,7 +21,7 @@ from .bf16 import bf16_to_f32
 from .checkpoint import TowerWeights
 from .geometry import GlmVitGeometry, check_patch_budget
 from .layout import block_major_positions, frame_segments, num_patches, rope_inv_freq
-from .weights import GlmVitTensors, structure
+from .weights import GlmVitTensors
 
 LAYERNORM_EPS = 1e-5  # the merger's nn.LayerNorm default, not config's rms_norm_eps
 
@@ -77,9 +77,9 @@ def qknorm_rope(x: np.ndarray, w: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
     return x * cos + rotated * sin
 
 
-# Host memory: the forward's widest intermediates are computed a block of rows at a time, so
-# that one image at the full token budget needs ~1.3 GB beyond the weights (benchmarks/NOTES.md)
-# instead of the ~16 GB that whole [L, L] score matrices take.
+# Host memory: the forward's widest intermediates are computed a block of rows at a time, never
+# as whole [L, L] score matrices (~16 GB at the full token budget; the peak it does reach is in
+# benchmarks/NOTES.md).
 QUERY_BLOCK = 1024  # query rows of one head's scores: [1024, 32000] float32 is 131 MB
 ROW_BLOCK = 4096  # token rows through an MLP: [4096, 2 x 4096] float32 is 134 MB
 
@@ -129,7 +129,7 @@ class NumpyTower:
                  gemm_inputs: Callable[[np.ndarray], np.ndarray] = _exact) -> None:
         self.geo: GlmVitGeometry = weights.location.geometry
         self.p_max = p_max  # the GPU engine's budget, held the same here (the NumPy forward needs no scratch)
-        self.w: GlmVitTensors[np.ndarray] = structure(weights, bf16_to_f32)
+        self.w: GlmVitTensors[np.ndarray] = weights.structure(bf16_to_f32)
         self.inv_freq = rope_inv_freq(self.geo)
         self.gemm_inputs = gemm_inputs
 

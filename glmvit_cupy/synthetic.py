@@ -1,4 +1,4 @@
-"""Synthetic checkpoints in the exact released layout, with random weights from a seed.
+"""Synthetic checkpoints in the exact form of the released exports, with random weights from a seed.
 
 No real GLM-5.3 weights can be downloaded where this project is built and tested, so the
 tests, the benchmarks and a newcomer's first run use checkpoints written here: the same
@@ -18,14 +18,15 @@ import math
 from pathlib import Path
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
 
-from .bf16 import f32_to_bf16_bits
+from .bf16 import bf16_array, f32_to_bf16_bits
 from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .errors import GlmVitError
 from .geometry import CONFIG_FILE, REAL, GlmVitGeometry, vision_config
 from .weights import BLOCK_TENSORS, stored_shapes, tower_shapes
-from .writer import ITEMSIZE, atomic_directory, write_safetensors
+from .writer import atomic_directory, write_safetensors
 
 GEOMETRIES = {
     "real": GlmVitGeometry(**REAL),
@@ -34,7 +35,7 @@ GEOMETRIES = {
     "tiny": GlmVitGeometry(**{**REAL, "depth": 2, "hidden_size": 128, "num_heads": 2, "intermediate_size": 256,
                               "out_hidden_size": 256, "projection_intermediate_size": 512}),
 }
-LAYOUTS = {
+EXPORTS = {  # what a released checkpoint may be an export of
     # name: (tensor prefix, config model_type, sharded, decoys)
     "full": ("model.visual", "glm5_next", True, True),
     "nested": ("model.language_model.visual", "glm5_next", False, True),
@@ -44,33 +45,34 @@ _NORMS = ("norm1.weight", "norm2.weight", "q_norm.weight", "k_norm.weight",
           "post_layernorm.weight", "post_projection_norm.weight")
 
 
-def _tower_values(geo: GlmVitGeometry, rng: np.random.Generator, shapes: dict) -> Iterator[bytes]:
+def _tower_values(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]],
+                  stored: dict[str, tuple[tuple[int, ...], ...]]) -> Iterator[np.ndarray]:
+    """Each tower tensor's BF16 values in `shapes`' order, in the shape transformers stores."""
     for name, shape in shapes.items():
         noise = rng.standard_normal(math.prod(shape), dtype=np.float32)
-        if name.endswith(_NORMS):
-            values = 1.0 + 0.1 * noise
-        else:
-            values = 0.02 * noise
-        yield f32_to_bf16_bits(values).tobytes()
+        values = 1.0 + 0.1 * noise if name.endswith(_NORMS) else 0.02 * noise
+        yield bf16_array(f32_to_bf16_bits(values)).reshape(stored[name][0])
 
 
-def _decoys(geo: GlmVitGeometry, decoy_bytes: int) -> list[tuple[str, str, list[int]]]:
+def _decoys(decoy_bytes: int) -> list[tuple[str, np.dtype, tuple[int, int]]]:
     """Text-stack tensors of an NVFP4 export: U8-packed weights, F8_E4M3 scales, BF16 embeds."""
     cols = 512
     rows = max(1, decoy_bytes // cols)
+    u8, f8, bf16 = np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.bfloat16)
     return [
-        ("model.language_model.embed_tokens.weight", "BF16", [rows // 2, cols]),
-        ("model.language_model.layers.0.mlp.experts.gate_up_proj.weight", "U8", [rows, cols]),
-        ("model.language_model.layers.0.mlp.experts.gate_up_proj.weight_scale", "F8_E4M3", [rows, cols // 16]),
-        ("model.language_model.layers.1.mlp.experts.down_proj.weight", "U8", [rows, cols]),
-        ("model.language_model.layers.1.mlp.experts.down_proj.weight_scale", "F8_E4M3", [rows, cols // 16]),
-        ("lm_head.weight", "BF16", [rows // 2, cols]),
+        ("model.language_model.embed_tokens.weight", bf16, (rows // 2, cols)),
+        ("model.language_model.layers.0.mlp.experts.gate_up_proj.weight", u8, (rows, cols)),
+        ("model.language_model.layers.0.mlp.experts.gate_up_proj.weight_scale", f8, (rows, cols // 16)),
+        ("model.language_model.layers.1.mlp.experts.down_proj.weight", u8, (rows, cols)),
+        ("model.language_model.layers.1.mlp.experts.down_proj.weight_scale", f8, (rows, cols // 16)),
+        ("lm_head.weight", bf16, (rows // 2, cols)),
     ]
 
 
 def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real", seed: int = 0,
-                     layout: str = "full", decoy_bytes: int | None = None, replace: bool = False) -> Path:
-    """Write a checkpoint for `geometry` into the new (or empty) directory `out_dir`, or with
+                     export: str = "full", decoy_bytes: int | None = None, replace: bool = False) -> Path:
+    """Write a checkpoint for `geometry`, in the form of an EXPORTS export, into the new (or
+    empty) directory `out_dir`, or with
     `replace` over a checkpoint directory there: all of it or, on any failure (a full disk),
     nothing, the old one left as it was (writer.atomic_directory)."""
     geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
@@ -87,25 +89,31 @@ def write_checkpoint(out_dir: str | Path, geometry: str | GlmVitGeometry = "real
     except OSError as exc:
         raise GlmVitError(f"{out}: cannot create directory {out.parent}: {exc.strerror}") from None
     with atomic_directory(out, replace=replace) as tmp:
-        _fill_checkpoint(tmp, geo, seed, layout, decoy_bytes)
+        _fill_checkpoint(tmp, geo, seed, export, decoy_bytes)
     return out
 
 
-def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, decoy_bytes: int | None) -> None:
-    prefix, model_type, sharded, with_decoys = LAYOUTS[layout]
+def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, export: str, decoy_bytes: int | None) -> None:
+    prefix, model_type, sharded, with_decoys = EXPORTS[export]
     rng = np.random.default_rng(seed)
-
     shapes = tower_shapes(geo)
-    stored = stored_shapes(geo)
-    tower_specs = [(f"{prefix}.{n}", "BF16", list(stored[n][0])) for n in shapes]
-    tower_data = _tower_values(geo, rng, shapes)
+    tower = [f"{prefix}.{n}" for n in shapes]
+    tower_values = _tower_values(rng, shapes, stored_shapes(geo))
     if decoy_bytes is None:
         decoy_bytes = 32 << 20 if geo.hidden_size >= 1024 else 1 << 20
-    decoys = _decoys(geo, decoy_bytes) if with_decoys else []
+    decoys = {name: (dtype, shape) for name, dtype, shape in _decoys(decoy_bytes)} if with_decoys else {}
 
-    def decoy_data(specs):
-        for _, dtype, shape in specs:
-            yield rng.integers(0, 256, math.prod(shape) * ITEMSIZE[dtype], dtype=np.uint8).tobytes()
+    def tensors(names: list[str]) -> dict[str, np.ndarray]:
+        """Each tensor's values, drawn in this order: tower tensors from the one tower stream."""
+        arrays = {}
+        for name in names:
+            if name in decoys:
+                dtype, shape = decoys[name]
+                raw = rng.integers(0, 256, math.prod(shape) * dtype.itemsize, np.uint8)
+                arrays[name] = raw.view(dtype).reshape(shape)
+            else:
+                arrays[name] = next(tower_values)
+        return arrays
 
     config = vision_config(geo)
     if model_type == "glm5_next":
@@ -113,33 +121,24 @@ def _fill_checkpoint(out: Path, geo: GlmVitGeometry, seed: int, layout: str, dec
                   "text_config": {"model_type": "glm5_next_text", "hidden_size": 4096,
                                   "num_hidden_layers": 2, "vocab_size": 154880},
                   "vision_config": config, "dtype": "bfloat16", "image_token_id": 154854}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
+    text = list(decoys)
     if not sharded:
-        specs = decoys[:3] + tower_specs + decoys[3:]
-        write_safetensors(out / SINGLE_FILE, specs, _specs_data(specs, prefix, tower_data, decoy_data))
+        write_safetensors(out / SINGLE_FILE, tensors(text[:3] + tower + text[3:]))
         return
 
     # Three shards: the tower split across the first two, each beside text-stack decoys, and a
     # third holding only text-stack tensors (the binder must not even open it).
     half = (geo.depth // 2) * len(BLOCK_TENSORS)
-    groups = [decoys[:3] + tower_specs[:half], tower_specs[half:] + decoys[3:5], decoys[5:]]
+    groups = [text[:3] + tower[:half], tower[half:] + text[3:5], text[5:]]
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0
-    for fname, specs in zip(names, groups):
-        total += write_safetensors(out / fname, specs, _specs_data(specs, prefix, tower_data, decoy_data))
-        weight_map.update({s[0]: fname for s in specs})
+    for fname, group in zip(names, groups):
+        total += write_safetensors(out / fname, tensors(group))
+        weight_map.update({name: fname for name in group})
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                               "weight_map": weight_map}, indent=2) + "\n")
-
-
-def _specs_data(specs, prefix, tower_data, decoy_data) -> Iterator[bytes]:
-    """Bytes for `specs` in order: tower tensors from the shared stream, decoys fresh."""
-    for spec in specs:
-        if spec[0].startswith(prefix + "."):
-            yield next(tower_data)
-        else:
-            yield from decoy_data([spec])
 
 
 def photo_like(height: int, width: int, seed: int = 0) -> np.ndarray:

@@ -1,24 +1,22 @@
-"""The tower's weight tree: which tensors it has and their shapes, arranged as blocks + merger
-for a backend (`structure`), and what the GPU engine derives from them at load (`bias_sums`).
+"""The tower's weight tree: which tensors it has and their shapes, the blocks + merger a backend
+holds them as, and what the GPU engine derives from them at load (`deferred_bias`).
 
-Apart from `checkpoint.py`, which finds and reads the bytes: this module says what the tower
-IS, one field per weight and the checkpoint name(s) behind it, written once here; the binder's
-census, the arena order, the synthetic writer and both engines all read it from here.
+Apart from `checkpoint.py`, which finds and reads the bytes (and imports this, never the other
+way round): this module says what the tower IS, one field per weight and the checkpoint name(s)
+behind it, written once here; the binder's census, the arena order, the synthetic writer and
+both engines all read it from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+import math
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from .bf16 import bf16_to_f32
-from .errors import InternalError
 from .geometry import GlmVitGeometry
-
-if TYPE_CHECKING:
-    from .checkpoint import TowerWeights
 
 A = TypeVar("A")
 
@@ -87,8 +85,13 @@ MERGER_NAMES: dict[str, str | tuple[str, str]] = {
 }
 
 
+def _each(names: str | tuple[str, str]) -> tuple[str, ...]:
+    """The checkpoint tensor(s) behind one field."""
+    return (names,) if isinstance(names, str) else names
+
+
 def _names(fields: dict[str, str | tuple[str, str]]) -> tuple[str, ...]:
-    return tuple(n for names in fields.values() for n in ((names,) if isinstance(names, str) else names))
+    return tuple(n for names in fields.values() for n in _each(names))
 
 
 BLOCK_TENSORS = _names(BLOCK_NAMES)  # per block, in arena order
@@ -118,23 +121,30 @@ def tower_shapes(geo: GlmVitGeometry) -> dict[str, tuple[int, ...]]:
 
     def named(fields: dict[str, str | tuple[str, str]], shapes: dict[str, tuple[int, ...]],
               prefix: str = "") -> dict[str, tuple[int, ...]]:
-        return {prefix + n: shapes[field] for field, names in fields.items()
-                for n in ((names,) if isinstance(names, str) else names)}
+        return {prefix + n: shapes[field] for field, names in fields.items() for n in _each(names)}
 
     out: dict[str, tuple[int, ...]] = {}
     for b in range(geo.depth):
         out.update(named(BLOCK_NAMES, block, f"blocks.{b}."))
     out.update(named(EMBED_NAMES, rest))
     out.update(named(MERGER_NAMES, rest))
-    if len(out) != geo.tensor_count:
-        raise InternalError(f"the weight tree names {len(out)} tensors, geometry.tensor_count says {geo.tensor_count}")
     return out
+
+
+def tensor_count(geo: GlmVitGeometry) -> int:
+    """The tower's tensors: depth x 14 in the blocks + 11 others, 347 for the real tower."""
+    return geo.depth * len(BLOCK_TENSORS) + len(NON_BLOCK_TENSORS)
+
+
+def parameter_count(geo: GlmVitGeometry) -> int:
+    """The tower's weights and biases, 563,627,008 for the real tower."""
+    return sum(math.prod(shape) for shape in tower_shapes(geo).values())
 
 
 def stored_shapes(geo: GlmVitGeometry) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Every tower tensor's short name -> the header shapes a checkpoint may store it in, the
     first as transformers saves it. Exactly these: a shape with the right element count but
-    other axes (a transposed weight) is another layout and refused. The two convolutions keep
+    other axes (a transposed weight) is other data, and refused. The two convolutions keep
     their kernel axes; the patch embedding's flattened [h, patch_dim] form is the one alias,
     the same bytes in the same order (Conv3d's (c, t, py, px) is the patch rows' order)."""
     h, m = geo.hidden_size, geo.spatial_merge_size
@@ -145,31 +155,19 @@ def stored_shapes(geo: GlmVitGeometry) -> dict[str, tuple[tuple[int, ...], ...]]
     return shapes
 
 
-def structure(weights: TowerWeights, convert: Callable[[np.ndarray], Any]) -> GlmVitTensors:
-    """Arrange the raw tensors as blocks + merger; `convert` turns each raw view into the
-    backend's array (widened float32 for NumPy, a device view of the uploaded arena for CuPy)."""
-    def fields(names: dict[str, str | tuple[str, str]], prefix: str = "") -> dict[str, Any]:
-        return {field: convert(weights.raw(prefix + n) if isinstance(n, str) else
-                               weights.fused(prefix + n[0], prefix + n[1]))
-                for field, n in names.items()}
-
-    blocks = [GlmVitBlock(**fields(BLOCK_NAMES, f"blocks.{i}.")) for i in range(weights.location.geometry.depth)]
-    return GlmVitTensors(**fields(EMBED_NAMES), blocks=blocks, merger=GlmVitMerger(**fields(MERGER_NAMES)))
-
-
-def bias_sums(weights: TowerWeights) -> np.ndarray:
-    """The biases missing from the GPU engine's residual stream at each norm, float32
-    [2 x depth + 1, h]: before block i's norm1 (row 2i), its norm2 (2i + 1), and the
-    post-layernorm (last).
+def deferred_bias(raw: GlmVitTensors[np.ndarray]) -> np.ndarray:
+    """The deferred bias: the biases missing from the GPU engine's residual stream at each norm,
+    float32 [2 x depth + 1, h], from the tower's raw BF16 tensors: before block i's norm1 (row
+    2i), its norm2 (2i + 1), and the post-layernorm (last). The norm kernel adds a row to the
+    stream as it reads it (rmsnorm_bias).
 
     Besides the GEMM biases this carries the v bias of each block, pushed through its proj:
     softmax rows sum to one, so attention(q, k, v + b_v) = attention(q, k, v) + b_v, and the
     proj turns that into + proj_w . b_v. Nothing on the device then adds b_v to v."""
-    w = structure(weights, lambda raw: raw)  # the raw BF16 views: only what is read is widened
-    h = weights.location.geometry.hidden_size
-    total = bf16_to_f32(w.patch_embed_b)
+    h = raw.patch_embed_b.shape[0]
+    total = bf16_to_f32(raw.patch_embed_b)
     rows = []
-    for blk in w.blocks:
+    for blk in raw.blocks:  # only what is read is widened
         rows.append(total.copy())
         total += bf16_to_f32(blk.proj_b) + bf16_to_f32(blk.proj_w) @ bf16_to_f32(blk.qkv_b)[2 * h:]
         rows.append(total.copy())

@@ -4,7 +4,8 @@ CLI's output files (write_atomic).
 `checkpoint` only reads; what writes a checkpoint (`extract`, a real tower; `synthetic`, random
 weights) shares this. A directory appears at its destination whole or not at all: it is built
 in a temporary directory beside the destination, every file fsynced, then renamed into place;
-on any failure (a full disk included) the temporary directory and all in it are removed.
+on any failure (a full disk included) the temporary directory and all in it are removed. A
+single file is written the same way: a temporary beside it, fsynced, renamed over it.
 Temporaries are created with mode 0666 / 0777 for the kernel to apply the umask, as a plain
 open() / mkdir() would (tempfile's 0600 would survive the rename and make every output private).
 """
@@ -16,19 +17,26 @@ import errno
 import json
 import math
 import os
+import re
 import secrets
 import shutil
+import stat
 import struct
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator
+from typing import IO, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+from safetensors import SafetensorError, TensorSpec, serialize_file
 
 from .errors import GlmVitError, InternalError
 
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1, "I64": 8}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8}  # the dtypes of our outputs, as safetensors spells them
+FORMAT_PT = {"format": "pt"}  # the metadata transformers' loader asks of a safetensors file
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error ends the library's message
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
+    """Make a rename in the directory `path` durable (or, given a file, its contents)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -36,57 +44,80 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, chunks: Iterable[bytes]) -> int:
-    """Write `chunks` to `path` (a temporary name, fsync, rename); returns the bytes written."""
-    tmp = path.with_name(path.name + ".tmp")
-    size = 0
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> int:
+    """One whole safetensors file, written by the safetensors library from `tensors` (each array
+    C-contiguous, in a dtype whose NumPy name the library knows: uint8, bfloat16 and float8_e4m3fn
+    from ml_dtypes, ...). Not atomic by itself: it is meant for a file inside an atomic_directory.
+    Returns its size. An I/O failure is raised as the OSError it was."""
+    specs = {}
+    for name, array in tensors.items():
+        if not array.flags.c_contiguous:
+            raise InternalError(f"{path}: {name} is not C-contiguous")
+        specs[name] = TensorSpec(dtype=array.dtype.name, shape=list(array.shape), data_ptr=array.ctypes.data,
+                                 data_len=array.nbytes)
+    # The library renames a 0600 temporary into place: the file gets the mode an open() here
+    # gives (0666 less the umask), read off a file made first.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-                size += memoryview(chunk).nbytes
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return size
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    try:
+        serialize_file(specs, path, FORMAT_PT)  # `tensors` keeps every data_ptr alive until it returns
+    except SafetensorError as exc:
+        found = _OS_ERROR.search(str(exc))
+        if found is None:
+            raise InternalError(f"{path}: the safetensors library refused to write it: {exc}") from None
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+    os.chmod(path, mode)
+    return path.stat().st_size
 
 
-def write_safetensors(path: Path, specs: list[tuple[str, str, list[int]]], data: Iterator[bytes]) -> int:
-    """Write one safetensors file: header of (name, dtype, shape) in order, then each tensor's
-    bytes as `data` yields them (any buffer of the right length). Returns its size."""
-    return write_file(path, safetensors_chunks(specs, data, str(path)))
+def safetensors_header(tensors: Iterable[tuple[str, str, Sequence[int], int]], metadata: dict[str, str]) -> bytes:
+    """The JSON header of a safetensors file whose tensors (name, dtype, shape, bytes) follow it
+    back to back in this order; unpadded. For what writes a file as it goes, which the library
+    cannot (it serialises whole files from memory): the server's responses, in parts
+    (safetensors_chunks), and a collection's shards, whose header is written last."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return json.dumps(header, separators=(",", ":")).encode()
 
 
 def safetensors_chunks(specs: list[tuple[str, str, list[int]]], data: Iterator[bytes], what: str) -> Iterator[bytes]:
-    """A safetensors file as chunks (write_safetensors's; the server's responses): the header, then the
-    tensors' bytes. `what` names the file in the error for a tensor whose bytes disagree with its shape."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape in specs:
-        n = math.prod(shape) * ITEMSIZE[dtype]
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
+    """A safetensors file as chunks (the server's responses, sent in parts with no copy joining
+    the tensors): the padded header, then the tensors' bytes. `what` names the file in the error
+    for a tensor whose bytes disagree with its shape."""
+    sizes = [math.prod(shape) * ITEMSIZE[dtype] for _, dtype, shape in specs]
+    blob = safetensors_header(((name, dtype, shape, n) for (name, dtype, shape), n in zip(specs, sizes)),
+                              FORMAT_PT)
     blob += b" " * (-len(blob) % 8)
 
     yield struct.pack("<Q", len(blob)) + blob
-    for (name, _, _), chunk in zip(specs, data):
-        begin, end = header[name]["data_offsets"]
-        if memoryview(chunk).nbytes != end - begin:  # the header would lie about the bytes that follow
-            raise InternalError(f"{what}: {name} has {memoryview(chunk).nbytes} bytes of data, its header "
-                                f"entry {end - begin}")
+    for (name, _, _), n, chunk in zip(specs, sizes, data):
+        if memoryview(chunk).nbytes != n:  # the header would lie about the bytes that follow
+            raise InternalError(f"{what}: {name} has {memoryview(chunk).nbytes} bytes of data, its header entry {n}")
         yield chunk
+
+
+def _fsync_files(directory: Path) -> None:
+    """fsync every file under `directory`, then the directories themselves, deepest first."""
+    for root, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            fsync_dir(Path(root) / name)
+        fsync_dir(Path(root))
 
 
 @contextlib.contextmanager
 def atomic_directory(destination: Path, replace: bool = False) -> Iterator[Path]:
     """A new empty directory beside `destination` (absent, or an empty directory, which the
     rename replaces; with `replace`, any directory, moved aside and removed once the new one is
-    in place) to fill; renamed to `destination` when the block completes, removed with its
-    contents when it raises. An OSError (ENOSPC, EIO, ...) becomes a one-line GlmVitError."""
+    in place) to fill with plain writes; every file in it fsynced and the directory renamed to
+    `destination` when the block completes, removed with its contents when it raises. An
+    OSError (ENOSPC, EIO, ...) becomes a one-line GlmVitError."""
     occupied = destination.exists() and (not destination.is_dir() or any(destination.iterdir()))
     if destination.is_symlink() or (occupied and not (replace and destination.is_dir())):
         raise GlmVitError(f"{destination}: exists; refusing to write over it")
@@ -101,7 +132,7 @@ def atomic_directory(destination: Path, replace: bool = False) -> Iterator[Path]
         raise GlmVitError(f"{destination}: cannot write there: {exc.strerror}") from None
     try:
         yield tmp
-        fsync_dir(tmp)
+        _fsync_files(tmp)
         old = _temp_path(parent, destination.name) if occupied else None
         if old is not None:  # a temporary name: remove_stale_temps clears it if we die now
             os.rename(destination, old)

@@ -1,4 +1,4 @@
-"""Shared fixtures: synthetic checkpoints in the released layout, written once per session."""
+"""Shared fixtures: synthetic checkpoints in the released form, written once per session."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Binding: layouts, prefix probe, census, dtype/shape guards, and reading only the tower."""
+"""Binding: each export, prefix probe, census, dtype/shape guards, and reading only the tower."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import os
 import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
+import safetensors
 from safetensors import safe_open
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
+from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower, read_header
 from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint
-from glmvit_cupy.weights import tower_shapes
+from glmvit_cupy.weights import parameter_count, tensor_count, tower_shapes
 from glmvit_cupy.writer import write_safetensors
 
 
@@ -30,26 +32,32 @@ def read_all(path: Path) -> list[tuple[str, str, list[int], bytes]]:
             for k, v in items]
 
 
+# The dtypes these tests write, as safetensors spells them -> NumPy's (ml_dtypes') dtype.
+NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
+                "F8_E4M3": ml_dtypes.float8_e4m3fn, "U8": np.uint8}
+
+
 def rewrite(path: Path, edit) -> None:
     """Rewrite a single-file checkpoint through `edit(name, dtype, shape, data) -> tuple | None`."""
     items = [t for t in (edit(*item) for item in read_all(path)) if t is not None]
-    write_safetensors(path, [(n, d, s) for n, d, s, _ in items], iter([b for *_, b in items]))
+    path.unlink()
+    write_safetensors(path, {n: np.frombuffer(b, NUMPY_DTYPES[d]).reshape(s) for n, d, s, b in items})
 
 
-@pytest.mark.parametrize("layout, prefix", [("full", "model.visual"),
+@pytest.mark.parametrize("export, prefix", [("full", "model.visual"),
                                             ("nested", "model.language_model.visual"),
                                             ("vision-only", "visual")])
-def test_three_layouts_bind_with_the_right_prefix(tmp_path, layout, prefix):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=3, layout=layout)
+def test_three_exports_bind_with_the_right_prefix(tmp_path, export, prefix):
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=3, export=export)
     weights = bind_checkpoint(ckpt)
     loc = weights.location
     assert loc.prefix == prefix
-    assert len(loc.entries) == loc.geometry.tensor_count == 39
-    assert weights.bytes_read == loc.tower_bytes == 2 * loc.geometry.parameter_count
+    assert len(loc.entries) == tensor_count(loc.geometry) == 39
+    assert weights.bytes_read == loc.tower_bytes == 2 * parameter_count(loc.geometry)
 
 
 def test_binding_agrees_with_the_official_safetensors_parser(tiny_ckpt):
-    """Our header parsing and pread vs safetensors' own reader, tensor by tensor."""
+    """The byte ranges read_tower preads vs safetensors' own reader, tensor by tensor."""
     import torch
     from safetensors.torch import load_file
 
@@ -107,14 +115,14 @@ def test_only_the_towers_bytes_are_read(tmp_path):
 
 
 def test_text_only_checkpoint_is_refused(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=5, layout="nested")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=5, export="nested")
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: None if ".visual." in n else (n, d, s, b))
     with pytest.raises(GlmVitError, match="no vision tower in the checkpoint.*text-only"):
         locate_tower(ckpt)
 
 
 def test_missing_and_unexpected_tensors_are_listed(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=6, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=6, export="vision-only")
     path = ckpt / "model.safetensors"
     rewrite(path, lambda n, d, s, b: None if n == "visual.blocks.1.attn.k_norm.weight" else (n, d, s, b))
     with pytest.raises(GlmVitError, match=r"1 missing \(visual\.blocks\.1\.attn\.k_norm\.weight\)"):
@@ -127,7 +135,7 @@ def test_missing_and_unexpected_tensors_are_listed(tmp_path):
 
 @pytest.mark.parametrize("dtype, itemsize", [("F32", 4), ("F16", 2), ("F8_E4M3", 1), ("U8", 1)])
 def test_non_bf16_tower_tensor_is_refused_by_name(tmp_path, dtype, itemsize):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=7, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=7, export="vision-only")
     target = "visual.blocks.0.attn.qkv.weight"
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, dtype, s, bytes(math.prod(s) * itemsize))
             if n == target else (n, d, s, b))
@@ -146,7 +154,7 @@ def test_non_bf16_tower_tensor_is_refused_by_name(tmp_path, dtype, itemsize):
 def test_a_shape_other_than_the_stored_one_is_refused(tmp_path, target, shape):
     """Each tensor's header shape must be the one transformers stores (or the patch embedding's
     flattened alias, weights.stored_shapes): the same element count in other axes is refused."""
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, export="vision-only")
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, shape, bytes(math.prod(shape) * 2))
             if n == target else (n, d, s, b))
     want = {"visual.patch_embed.proj.weight": "[128, 3, 2, 14, 14] or [128, 1176]",
@@ -160,7 +168,7 @@ def test_a_shape_other_than_the_stored_one_is_refused(tmp_path, target, shape):
 
 def test_the_flattened_patch_embedding_is_the_same_tower(tmp_path):
     """The one alias: the patch embedding's [h, C x T x p x p] form binds to the same bits."""
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=8, export="vision-only")
     conv = bind_checkpoint(ckpt)
     rewrite(ckpt / "model.safetensors", lambda n, d, s, b: (n, d, [128, 1176], b)
             if n == "visual.patch_embed.proj.weight" else (n, d, s, b))
@@ -169,19 +177,32 @@ def test_the_flattened_patch_embedding_is_the_same_tower(tmp_path):
     assert flat.location.entries["patch_embed.proj.weight"].stored_shape == (128, 1176)
 
 
+def library_refusal(path: Path) -> str:
+    with pytest.raises(safetensors.SafetensorError) as info:
+        safe_open(path, "numpy")
+    return str(info.value)
+
+
 def test_truncated_and_corrupt_shards(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=9, layout="vision-only")
+    """A shard the safetensors library refuses is refused in one line naming the shard, the
+    library's release and its reason."""
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=9, export="vision-only")
     path = ckpt / "model.safetensors"
     blob = path.read_bytes()
-    path.write_bytes(blob[:len(blob) - 1000])
-    with pytest.raises(GlmVitError, match="the shard is truncated"):
-        locate_tower(ckpt)
-    path.write_bytes(b"\xff" * 8 + blob[8:100])
-    with pytest.raises(GlmVitError, match="corrupt safetensors header"):
-        locate_tower(ckpt)
-    path.write_bytes(b"")
-    with pytest.raises(GlmVitError, match="truncated safetensors file"):
-        locate_tower(ckpt)
+    for broken in (blob[:len(blob) - 1000], b"\xff" * 8 + blob[8:100], b""):
+        path.write_bytes(broken)
+        with pytest.raises(GlmVitError) as info:
+            locate_tower(ckpt)
+        assert str(info.value) == (f"{path}: not a safetensors file that safetensors {safetensors.__version__} "
+                                   f"reads: {library_refusal(path)}")
+
+
+def test_read_header_of_what_is_not_a_readable_file(tmp_path):
+    """read_header's cold paths, each one line naming the path and why."""
+    with pytest.raises(GlmVitError, match=rf"^{tmp_path}/gone.safetensors: no such file$"):
+        read_header(tmp_path / "gone.safetensors")
+    with pytest.raises(GlmVitError, match=rf"^{tmp_path}: cannot read: .*[Ii]s a directory"):
+        read_header(tmp_path)
 
 
 def test_missing_shard_and_empty_directory(tmp_path):
@@ -239,7 +260,7 @@ def test_a_non_finite_weight_is_refused_by_tensor_name(tmp_path, pattern):
         bind_checkpoint(ckpt)
 
 
-def test_a_non_finite_weight_of_a_bare_layout_is_named_as_the_checkpoint_names_it(tmp_path, tiny_ckpt):
+def test_a_non_finite_weight_under_bare_names_is_named_as_the_checkpoint_names_it(tmp_path, tiny_ckpt):
     """Glm5NextVisionModel.save_pretrained's bare names (what extract writes) carry no prefix:
     the tensor is named `blocks.0.norm1.weight`, not `.blocks.0.norm1.weight`."""
     from glmvit_cupy.extract import extract_tower

@@ -4,22 +4,22 @@ on any failure, a full disk included."""
 
 from __future__ import annotations
 
-import errno
 import json
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 
-from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy import writer
+from glmvit_cupy import GlmVit, preprocess
 from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
 from glmvit_cupy.extract import extract_tower
 from glmvit_cupy.preprocess import PREPROCESSOR_FILE
 from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.weights import tensor_count
 from helpers import photo_like, run_transformers, save_with_transformers
 from test_checkpoint import _rchar
 from test_cli import assert_clean_failure, run
+from test_outputs import cli, one_line_failure
 
 pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
 
@@ -46,7 +46,7 @@ def test_transformers_loads_the_result_with_the_sources_outputs(tmp_path):
     assert (dst / PREPROCESSOR_FILE).read_bytes() == (src / PREPROCESSOR_FILE).read_bytes()
     # The bare names, the source's on-disk shapes and dtype.
     source = {k[len("model.visual."):]: v for k, v in stored(src).items() if k.startswith("model.visual.")}
-    assert stored(dst) == source and len(source) == locate_tower(dst).geometry.tensor_count
+    assert stored(dst) == source and len(source) == tensor_count(locate_tower(dst).geometry)
 
     pixels, grid = preprocess([photo_like(90, 60, 3), photo_like(30, 50, 4)])
     theirs = run_transformers(Glm5NextVisionModel.from_pretrained(dst).float().eval(), pixels, grid)
@@ -68,36 +68,12 @@ def test_only_the_towers_bytes_are_read(tmp_path):
     assert not (tmp_path / "dst" / PREPROCESSOR_FILE).exists()
 
 
-class FullDisk:
-    """A file whose writes fail with ENOSPC once `left[0]` writes (of every file) are done."""
-
-    def __init__(self, f, left: list[int]):
-        self.f, self.left = f, left
-
-    def write(self, data):
-        if self.left[0] == 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.left[0] -= 1
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-
-# Writes in order: config.json, the safetensors header, then one per tensor.
-@pytest.mark.parametrize("writes", [0, 1, 20], ids=["config", "header", "mid-tensors"])
-def test_a_full_disk_leaves_nothing_behind(tmp_path, monkeypatch, tiny_ckpt, writes):
-    left = [writes]
-    monkeypatch.setattr(writer, "open", lambda *a, **k: FullDisk(open(*a, **k), left), raising=False)
-    with pytest.raises(GlmVitError, match=r"dst: writing failed \(No space left on device\); nothing was left"):
-        extract_tower(tiny_ckpt, tmp_path / "dst")
-    assert left == [0] and list(tmp_path.iterdir()) == []
+# Bytes a file may hold: config.json fails at its first write; the safetensors file in its header; mid-tower.
+@pytest.mark.parametrize("limit", [0, 2048, 512 << 10], ids=["config", "header", "mid-tensors"])
+def test_a_full_disk_leaves_nothing_behind(tmp_path, tiny_ckpt, limit):
+    proc = cli("extract", str(tiny_ckpt), str(tmp_path / "dst"), file_limit=limit)
+    one_line_failure(proc, "dst: writing failed (File too large); nothing was left behind")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_existing_destination_is_refused_untouched(tmp_path, tiny_ckpt):

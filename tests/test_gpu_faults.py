@@ -1,5 +1,5 @@
 """The GPU context survives the caller: inputs that break a kernel's assumptions are copied, and a
-fault that does happen is one line naming where (issue #16's class 6). GPU only."""
+fault that does happen is one line naming where. GPU only."""
 
 from __future__ import annotations
 

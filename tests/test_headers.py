@@ -1,6 +1,7 @@
-"""Safetensors headers: every rule the safetensors library enforces is enforced by binding,
-each broken one a one-line GlmVitError naming the shard and tensor, and a fuzz test that
-mutates real headers at random: a correct bind or a GlmVitError, nothing else."""
+"""Safetensors headers: the safetensors library judges them. A header it refuses fails binding
+in one line naming the shard and the library's reason (every kind of broken rule below); one it
+accepts binds to exactly the bytes it reads for each tower tensor. A fuzz test mutates real
+headers at random: a correct bind or a GlmVitError, nothing else."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 from safetensors import deserialize
 
 from glmvit_cupy import GlmVitError
 from glmvit_cupy.bf16 import bf16_to_f32
-from glmvit_cupy.checkpoint import DTYPE_BITS, MAX_HEADER_BYTES, bind_checkpoint
+from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.geometry import REAL, GlmVitGeometry
 from glmvit_cupy.synthetic import write_checkpoint
 from glmvit_cupy.weights import tower_shapes
@@ -28,12 +30,16 @@ GEO = GlmVitGeometry(**{**REAL, "depth": 1, "hidden_size": 32, "num_heads": 1, "
 PREFIX = "model.language_model.visual."
 TARGET = PREFIX + "blocks.0.attn.qkv.weight"
 DECOY = "model.language_model.layers.0.mlp.experts.gate_up_proj.weight"  # U8, read by nobody
+LIBRARY_MAX_HEADER = 100_000_000  # bytes: the safetensors library's MAX_HEADER_SIZE
+# Bits a value of the format's dtypes the fuzz test reinterprets bytes as (sub-byte ones included).
+DTYPE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8,
+              "I16": 16, "F16": 16, "BF16": 16, "F32": 32, "I32": 32, "F64": 64, "I64": 64, "C64": 64}
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A single-file checkpoint: the tower between BF16, U8 and F8_E4M3 text-stack decoys."""
-    return write_checkpoint(tmp_path_factory.mktemp("hdr") / "c", GEO, seed=21, layout="nested",
+    return write_checkpoint(tmp_path_factory.mktemp("hdr") / "c", GEO, seed=21, export="nested",
                             decoy_bytes=1024)
 
 
@@ -115,47 +121,45 @@ def target_offsets(h: dict) -> list[int]:
 
 QKV_BYTES = 3 * 32 * 32 * 2
 HEADER_CASES = {
-    # name: (edit of the parsed header, message regex)
-    "overlapping ranges": (lambda h: add_entry("extra.alias", dict(h[TARGET]))(h), r"overlap"),
-    "range before the data section": (shift_offsets(-QKV_BYTES - 10 ** 9, -10 ** 9), r"not \[begin, end\]"),
-    "offsets shifted by two bytes": (shift_offsets(2, 2), r"to no tensor|overlap"),
-    "offsets as strings": (with_entry("data_offsets", ["0", "4"]), r"data_offsets \['0', '4'\]"),
-    "offsets negative": (with_entry("data_offsets", [-2, QKV_BYTES - 2]), r"data_offsets \[-2,"),
-    "offsets of length 1": (with_entry("data_offsets", [0]), r"data_offsets \[0\] is not \[begin, end\]"),
-    "offsets of length 3": (with_entry("data_offsets", [0, 2, 4]), r"is not \[begin, end\]"),
-    "offsets null": (with_entry("data_offsets", None), r"data_offsets None"),
-    "offsets as floats": (with_entry("data_offsets", [0.0, 2.0]), r"data_offsets \[0\.0, 2\.0\]"),
-    "offsets as booleans": (with_entry("data_offsets", [False, True]), r"data_offsets \[False, True\]"),
-    "end before begin": (lambda h: with_entry("data_offsets", target_offsets(h)[::-1])(h), r"end before they begin"),
-    "offsets past 2^64": (with_entry("data_offsets", [0, 1 << 64]), r"64-bit"),
-    "shape negative": (with_entry("shape", [-96, -32]), r"shape \[-96, -32\] is not a list"),
-    "shape of strings": (with_entry("shape", ["96", "32"]), r"shape \['96', '32'\]"),
-    "shape not a list": (with_entry("shape", 3072), r"shape 3072"),
-    "shape of floats": (with_entry("shape", [96.0, 32.0]), r"shape \[96\.0, 32\.0\]"),
-    "shape overflows 64 bits": (with_entry("shape", [1 << 32, 1 << 32]), r"overflows 64 bits"),
-    "bytes overflow 64 bits": (with_entry("shape", [1 << 31, 1 << 31]), r"of BF16 overflows 64 bits"),
-    "shape vs byte size": (with_entry("shape", [96, 33]), r"is 6336 bytes, but data_offsets .* hold 6144"),
-    "dtype vs byte size": (retype(DECOY, "F16", [2, 512]), r"gate_up_proj.weight: shape \[2, 512\] of F16 is 2048"),
-    "sub-byte dtype not whole bytes": (add_entry("extra.f4", {"dtype": "F4", "shape": [3],
-                                                              "data_offsets": [0, 2]}), r"do not fill whole bytes"),
-    "unknown dtype": (with_entry("dtype", "bf16"), r"dtype 'bf16' is not a safetensors dtype"),
-    "dtype not a string": (with_entry("dtype", 16), r"dtype 16 is not"),
-    "entry is a number": (add_entry("extra.n", 5), r"extra\.n: header entry is a int"),
-    "entry is a list": (add_entry("extra.l", [0, 4]), r"extra\.l: header entry is a list"),
-    "entry is null": (add_entry("extra.z", None), r"extra\.z: header entry is a NoneType"),
-    "entry lacks data_offsets": (lambda h: (h[TARGET].pop("data_offsets"), h)[1], r"lacks data_offsets"),
-    "metadata int value": (add_entry("__metadata__", {"format": 1}), r"__metadata__ must map strings"),
-    "metadata a list": (add_entry("__metadata__", ["pt"]), r"__metadata__ must map strings"),
-    "metadata a string": (add_entry("__metadata__", "pt"), r"__metadata__ must map strings"),
-    "a tensor dropped (gap)": (drop(DECOY), r"to no tensor"),
-    "NaN in the header": (on_text('"format":"pt"', '"format":NaN'), r"NaN is not JSON"),
-    "infinite number": (on_text('"format":"pt"', '"format":1e999'), r"out of range"),
-    "lone surrogate escape": (on_text('"format":"pt"', '"format":"\\ud800"'), r"surrogate"),
-    "negative zero offset": (on_text('"data_offsets":[0,', '"data_offsets":[-0,'), r"data_offsets \[-0\.0,"),
-    "nested 200 levels": (on_text('"format":"pt"}', '"format":"pt"},"extra.x":{"dtype":"U8","shape":[0],'
-                                  '"data_offsets":[0,0],"deep":' + "[" * 200 + "]" * 200 + "}"),
-                          r"nested deeper than 128"),
-    "top level a list": (lambda h: list(h), r"not a JSON object"),
+    # name: edit of the parsed header
+    "overlapping ranges": lambda h: add_entry("extra.alias", dict(h[TARGET]))(h),
+    "range before the data section": shift_offsets(-QKV_BYTES - 10 ** 9, -10 ** 9),
+    "offsets shifted by two bytes": shift_offsets(2, 2),
+    "offsets as strings": with_entry("data_offsets", ["0", "4"]),
+    "offsets negative": with_entry("data_offsets", [-2, QKV_BYTES - 2]),
+    "offsets of length 1": with_entry("data_offsets", [0]),
+    "offsets of length 3": with_entry("data_offsets", [0, 2, 4]),
+    "offsets null": with_entry("data_offsets", None),
+    "offsets as floats": with_entry("data_offsets", [0.0, 2.0]),
+    "offsets as booleans": with_entry("data_offsets", [False, True]),
+    "end before begin": lambda h: with_entry("data_offsets", target_offsets(h)[::-1])(h),
+    "offsets past 2^64": with_entry("data_offsets", [0, 1 << 64]),
+    "shape negative": with_entry("shape", [-96, -32]),
+    "shape of strings": with_entry("shape", ["96", "32"]),
+    "shape not a list": with_entry("shape", 3072),
+    "shape of floats": with_entry("shape", [96.0, 32.0]),
+    "shape overflows 64 bits": with_entry("shape", [1 << 32, 1 << 32]),
+    "bytes overflow 64 bits": with_entry("shape", [1 << 31, 1 << 31]),
+    "shape vs byte size": with_entry("shape", [96, 33]),
+    "dtype vs byte size": retype(DECOY, "F16", [2, 512]),
+    "sub-byte dtype not whole bytes": add_entry("extra.f4", {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}),
+    "unknown dtype": with_entry("dtype", "bf16"),
+    "dtype not a string": with_entry("dtype", 16),
+    "entry is a number": add_entry("extra.n", 5),
+    "entry is a list": add_entry("extra.l", [0, 4]),
+    "entry is null": add_entry("extra.z", None),
+    "entry lacks data_offsets": lambda h: (h[TARGET].pop("data_offsets"), h)[1],
+    "metadata int value": add_entry("__metadata__", {"format": 1}),
+    "metadata a list": add_entry("__metadata__", ["pt"]),
+    "metadata a string": add_entry("__metadata__", "pt"),
+    "a tensor dropped (gap)": drop(DECOY),
+    "NaN in the header": on_text('"format":"pt"', '"format":NaN'),
+    "infinite number": on_text('"format":"pt"', '"format":1e999'),
+    "lone surrogate escape": on_text('"format":"pt"', '"format":"\\ud800"'),
+    "negative zero offset": on_text('"data_offsets":[0,', '"data_offsets":[-0,'),
+    "nested 200 levels": on_text('"format":"pt"}', '"format":"pt"},"extra.x":{"dtype":"U8","shape":[0],'
+                                 '"data_offsets":[0,0],"deep":' + "[" * 200 + "]" * 200 + "}"),
+    "top level a list": lambda h: list(h),
 }
 
 
@@ -168,46 +172,42 @@ def apply(base: Path, root: Path, edit) -> tuple[Path, bytes]:
     return ckpt, blob
 
 
-@pytest.mark.parametrize("case", list(HEADER_CASES))
-def test_a_broken_header_rule_is_one_line_by_shard_and_tensor(base, tmp_path, case):
-    edit, message = HEADER_CASES[case]
-    ckpt, blob = apply(base, tmp_path, edit)
+def assert_refused_as_the_library_refuses(ckpt: Path, blob: bytes) -> None:
+    """Binding fails in one line: the shard, the library's release, then the library's reason."""
     assert library_accepts(blob) is None, "the safetensors library accepts this; the case tests nothing"
-    with pytest.raises(GlmVitError, match=message) as info:
+    with pytest.raises(GlmVitError) as info:
         bind_checkpoint(ckpt)
-    text = str(info.value)
-    assert "\n" not in text and text.startswith(str(ckpt / "model.safetensors") + ": ")
+    shard = ckpt / "model.safetensors"
+    assert str(info.value).startswith(f"{shard}: not a safetensors file that safetensors {safetensors.__version__} "
+                                      "reads: Error while deserializing header: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", list(HEADER_CASES))
+def test_a_header_the_library_refuses_is_one_line_naming_the_shard(base, tmp_path, case):
+    ckpt, blob = apply(base, tmp_path, HEADER_CASES[case])
+    assert_refused_as_the_library_refuses(ckpt, blob)
 
 
 FILE_CASES = {
-    # name: (whole file from (header bytes, data), message regex)
-    "stray bytes after the data": (lambda h, d: join(h, d + b"\0" * 8), r"followed by stray bytes"),
-    "data truncated": (lambda h, d: join(h, d[:-2]), r"the shard is truncated"),
-    "header length past the file": (lambda h, d: struct.pack("<Q", 10 ** 7) + join(h, d)[8:],
-                                    r"claims 10000000 bytes in a"),
-    "header length over the format's limit": (lambda h, d: struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}" * 8,
-                                              r"limit is 100000000"),
-    "header not UTF-8": (lambda h, d: join(b"\xff" + json.dumps(h).encode()[1:], d), r"utf-8"),
-    "header with a BOM": (lambda h, d: join("\ufeff" + json.dumps(h), d), r"BOM"),
-    "header not JSON": (lambda h, d: join("{", d), r"cannot read safetensors header"),
-    "duplicate tensor name": (lambda h, d: join(json.dumps(h)[:-1] + f',"{TARGET}":' + json.dumps(h[TARGET])
-                                                + "}", d), r"appears twice"),
-    "empty file": (lambda h, d: b"", r"no header"),
+    # name: whole file from (header, data)
+    "stray bytes after the data": lambda h, d: join(h, d + b"\0" * 8),
+    "data truncated": lambda h, d: join(h, d[:-2]),
+    "header length past the file": lambda h, d: struct.pack("<Q", 10 ** 7) + join(h, d)[8:],
+    "header length over the format's limit": lambda h, d: struct.pack("<Q", LIBRARY_MAX_HEADER + 1) + b"{}" * 8,
+    "header not UTF-8": lambda h, d: join(b"\xff" + json.dumps(h).encode()[1:], d),
+    "header with a BOM": lambda h, d: join("\ufeff" + json.dumps(h), d),
+    "header not JSON": lambda h, d: join("{", d),
+    "empty file": lambda h, d: b"",
 }
 
 
 @pytest.mark.parametrize("case", list(FILE_CASES))
-def test_a_broken_file_layout_is_one_line(base, tmp_path, case):
-    build, message = FILE_CASES[case]
+def test_a_file_the_library_refuses_is_one_line_naming_the_shard(base, tmp_path, case):
     ckpt = copy_of(base, tmp_path)
     path = ckpt / "model.safetensors"
-    blob = build(*split(path.read_bytes()))
+    blob = FILE_CASES[case](*split(path.read_bytes()))
     path.write_bytes(blob)
-    if case != "duplicate tensor name":  # the library takes the last of identical duplicates
-        assert library_accepts(blob) is None
-    with pytest.raises(GlmVitError, match=message) as info:
-        bind_checkpoint(ckpt)
-    assert "\n" not in str(info.value) and str(path) in str(info.value)
+    assert_refused_as_the_library_refuses(ckpt, blob)
 
 
 def assert_binds_as_the_library_reads(ckpt: Path, blob: bytes) -> None:
@@ -220,7 +220,8 @@ def assert_binds_as_the_library_reads(ckpt: Path, blob: bytes) -> None:
 
 def test_valid_unusual_headers_bind(base, tmp_path):
     """What the format allows is allowed: whitespace on either side of the JSON, no metadata,
-    entries in any order, extra fields in an entry, zero-size tensors, tensors trading places."""
+    entries in any order, extra fields in an entry, zero-size tensors, tensors trading places,
+    a name given twice (the last entry counts, in the library and in binding)."""
     def unusual(h: dict) -> str:
         h["__metadata__"] = None
         h[TARGET]["comment"] = [1, {"x": None}]
@@ -228,7 +229,11 @@ def test_valid_unusual_headers_bind(base, tmp_path):
         # Two tower tensors of one size trade byte ranges: a consistent header, read as it says.
         a, b = PREFIX + "blocks.0.norm1.weight", PREFIX + "blocks.0.norm2.weight"
         h[a]["data_offsets"], h[b]["data_offsets"] = h[b]["data_offsets"], h[a]["data_offsets"]
-        return "\n\t " + json.dumps(dict(reversed(list(h.items())))) + " \r\n"
+        own = h.pop(TARGET)
+        # TARGET twice: first with another tensor's entry (a wrong shape, were it the one read), then its own
+        text = json.dumps(dict(reversed(list(h.items()))))[:-1] + f',"{TARGET}":' + \
+            json.dumps(h[PREFIX + "blocks.0.attn.proj.weight"]) + f',"{TARGET}":' + json.dumps(own) + "}"
+        return "\n\t " + text + " \r\n"
     ckpt, blob = apply(base, tmp_path, unusual)
     assert_binds_as_the_library_reads(ckpt, blob)
 
@@ -286,7 +291,7 @@ def header_mutation(draw, names: list[str]):
     if kind == "shape":
         value = draw(st.lists(element, max_size=5) | anything)
         return kind, lambda h, b: (h[name].__setitem__("shape", value), (h, b))[1]
-    if kind == "alias":  # a second name for the same bytes: the lying header of issue 16
+    if kind == "alias":  # a second name for the same bytes
         new = draw(st.sampled_from(["extra.alias", PREFIX + "blocks.0.extra.weight"]))
         return kind, lambda h, b: (h.__setitem__(new, dict(h[name])), (h, b))[1]
     if kind == "reinterpret":  # the same bytes as another dtype, consistently or not

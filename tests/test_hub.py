@@ -62,7 +62,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def full_ckpt(tmp_path_factory):
-    """The released layout: three shards, the tower in the first two, text-stack decoys only in
+    """The released form: three shards, the tower in the first two, text-stack decoys only in
     the third."""
     return write_checkpoint(tmp_path_factory.mktemp("src") / "full", "tiny", seed=21)
 
@@ -77,7 +77,7 @@ def theirs(repo: str, revision: str | None, cache: Path) -> Path:
 
 
 def test_refs_commits_and_revisions_resolve_as_huggingface_hub(cache, full_ckpt, tmp_path):
-    other = write_checkpoint(tmp_path / "other", "tiny", seed=22, layout="vision-only")
+    other = write_checkpoint(tmp_path / "other", "tiny", seed=22, export="vision-only")
     cache_repo(cache, REPO, full_ckpt, COMMITS[0], refs=("main",))
     cache_repo(cache, REPO, other, COMMITS[1], refs=("v1.0",))
     cache_repo(cache, REPO, full_ckpt, COMMITS[2], refs=())  # reachable by its hash only

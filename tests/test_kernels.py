@@ -86,17 +86,17 @@ def test_assert_close_reports_the_first_mismatches_and_the_worst():
 @gpu
 @pytest.mark.parametrize("rows, n", [(37, 1024), (5, 4104), (8, 64)])
 def test_rmsnorm_bias(kernels, rows, n):
-    """rmsnorm_bias: w * v / rms(v) of v = x + bias (the residual stream plus the biases it
-    lacks), BF16 out. n 4104 is one sweep of 1024 and a partial one; 37 rows a partial block."""
+    """rmsnorm_bias: w * v / rms(v) of v = x + deferred_bias (the residual stream plus the biases
+    it lacks), BF16 out. n 4104 is one sweep of 1024 and a partial one; 37 rows a partial block."""
     import cupy
 
     rng = np.random.default_rng(rows)
     x = (rng.standard_normal((rows, n)) * 3 + rng.standard_normal((rows, 1))).astype(np.float32)
-    bias = rng.standard_normal(n).astype(np.float32)
+    deferred_bias = rng.standard_normal(n).astype(np.float32)
     w_d, w = bf16_device(1 + 0.2 * rng.standard_normal(n))
     out = unwritten((rows, n))
-    kernels().rmsnorm_bias(cupy.asarray(x), cupy.asarray(bias), w_d, out, GEO.rms_norm_eps)
-    want = rmsnorm((x + bias).astype(np.float64), w, GEO.rms_norm_eps)  # x + bias: the kernel's float32 add
+    kernels().rmsnorm_bias(cupy.asarray(x), cupy.asarray(deferred_bias), w_d, out, GEO.rms_norm_eps)
+    want = rmsnorm((x + deferred_bias).astype(np.float64), w, GEO.rms_norm_eps)  # the kernel's float32 add
     assert_close(host_bf16(out), want, F32, RTOL, f"rmsnorm_bias {rows}x{n}")
 
 

@@ -1,4 +1,4 @@
-"""Every layout transformers writes binds, and gives transformers' own result: the vision model
+"""Every form transformers saves a checkpoint in binds, and gives transformers' own result: the vision model
 saved alone (bare names), the full model (model.visual.*), the bare Glm5NextModel (visual.*),
 each in one file or sharded, with a vision-only or a full-model config.json."""
 
@@ -10,6 +10,7 @@ import pytest
 
 from glmvit_cupy import GlmVit, preprocess
 from glmvit_cupy.checkpoint import INDEX_FILE, SINGLE_FILE, locate_tower
+from glmvit_cupy.weights import tensor_count
 from helpers import photo_like, rel_err, run_transformers, save_with_transformers
 
 pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
@@ -25,7 +26,7 @@ def test_saved_by_transformers_binds_and_matches(tmp_path, kind, sharded):
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == MODEL_TYPE[kind]
     assert (tmp_path / "m" / (INDEX_FILE if sharded else SINGLE_FILE)).is_file()
     loc = locate_tower(tmp_path / "m")
-    assert loc.prefix == PREFIX[kind] and len(loc.entries) == loc.geometry.tensor_count
+    assert loc.prefix == PREFIX[kind] and len(loc.entries) == tensor_count(loc.geometry)
     if sharded:
         assert len(loc.shards) > 1
     pixels, grid = preprocess([photo_like(90, 130, 1), photo_like(40, 40, 2)])

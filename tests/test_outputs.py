@@ -16,7 +16,6 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy import writer
 from glmvit_cupy.writer import write_atomic
 from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.synthetic import write_checkpoint
@@ -44,53 +43,33 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-class FullDisk:
-    """A file whose writes fail with ENOSPC once `budget[0]` bytes (of every file) are written."""
-
-    def __init__(self, f, budget: list[int]) -> None:
-        self.f, self.budget = f, budget
-
-    def write(self, data) -> int:
-        if self.budget[0] < memoryview(data).nbytes:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.budget[0] -= memoryview(data).nbytes
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.f.close()
-
-
-@pytest.fixture
-def failing_disk(monkeypatch):
-    """The checkpoint writer's files fill the disk after `budget[0]` bytes."""
-    budget = [0]
-    monkeypatch.setattr(writer, "open", lambda *a, **k: FullDisk(open(*a, **k), budget), raising=False)
-    return budget
-
-
 @pytest.mark.parametrize("existing", [False, True])
-def test_make_checkpoint_on_a_full_disk_leaves_nothing(tmp_path, failing_disk, existing):
+def test_make_checkpoint_on_a_full_disk_leaves_nothing(tmp_path, existing):
     """The disk fills up in the middle of the second shard: one line, and no partial
     checkpoint (an empty target directory stays as it was)."""
     target = tmp_path / "ckpt"
     if existing:
         target.mkdir()
-    failing_disk[0] = 1_500_000  # the first shard is ~1.2 MB
-    with pytest.raises(GlmVitError, match=r"ckpt: writing failed \(No space left on device\); nothing was left "
-                                          r"behind") as info:
-        write_checkpoint(target, "tiny", seed=1)
-    assert "\n" not in str(info.value)
+    proc = cli("make-checkpoint", str(target), "--geometry", "tiny", "--seed", "1",
+               file_limit=1_500_000)  # the first shard is ~1.2 MB
+    one_line_failure(proc, "ckpt: writing failed (File too large); nothing was left behind")
     assert sorted(p.name for p in tmp_path.iterdir()) == (["ckpt"] if existing else [])
     assert not existing or not any(target.iterdir())
-    failing_disk[0] = 1 << 40
     write_checkpoint(target, "tiny", seed=1)
     assert bind_checkpoint(target).location.geometry.depth == 2
+
+
+def test_a_made_checkpoint_is_fsynced_file_by_file_before_its_rename(tmp_path, monkeypatch):
+    """Durable once it is there: every file of the temporary directory, and the directory, are
+    fsynced before the rename (then the parent, which holds the rename)."""
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd)))
+    target = write_checkpoint(tmp_path / "ckpt", "tiny", seed=1)
+    temp = synced[0].parent
+    assert temp.parent == tmp_path and temp.name.startswith(".ckpt.") and not temp.exists()
+    files = sorted(temp / p.name for p in target.iterdir())
+    assert len(files) == 5 and sorted(synced[:-2]) == files and synced[-2:] == [temp, tmp_path]
 
 
 def test_write_atomic_on_a_full_disk_keeps_the_old_file(tmp_path):

@@ -1,9 +1,12 @@
-"""The kernels ship with the package: an installed (non-editable) copy must find every
-cuda_src/ file the loader pastes together, headers included."""
+"""The package as installed and as built: an installed (non-editable) copy must find every
+cuda_src/ file the loader pastes together, headers included; the version is written once; no
+module imports one that imports it back."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
+import re
 import sys
 from pathlib import Path
 
@@ -23,3 +26,61 @@ def test_package_data_covers_every_kernel_file():
     assert any(f.endswith(".cuh") for f in files) and any(f.endswith(".cu") for f in files)
     missing = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in patterns)]
     assert not missing, f"not shipped in the wheel: {missing}"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is 3.11+")
+def test_the_version_is_written_once():
+    """pyproject.toml takes it from glmvit_cupy.__version__, as setuptools reads it when it builds."""
+    import tomllib
+
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import glmvit_cupy
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert read_configuration(ROOT / "pyproject.toml")["project"]["version"] == glmvit_cupy.__version__
+
+
+def module_imports(path: Path) -> set[str]:
+    """The package modules a module imports at its top level, `if TYPE_CHECKING:` blocks included
+    (an import inside a function, made when it runs, is left out)."""
+    found = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            body.extend(node.body + node.orelse + getattr(node, "handlers", []) + getattr(node, "finalbody", []))
+        elif isinstance(node, ast.ExceptHandler):
+            body.extend(node.body)
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:
+            found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("glmvit_cupy."):
+            found.add(node.module.split(".")[1])
+    return found - {path.stem}
+
+
+def test_the_package_has_no_import_circle():
+    graph = {path.stem: module_imports(path) for path in (ROOT / "glmvit_cupy").glob("*.py")}
+    assert "weights" in graph["checkpoint"]
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module not in done:
+            for imported in sorted(graph.get(module, ())):
+                visit(imported, path + [module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_package_docstring_lists_every_module_once():
+    """glmvit_cupy/__init__.py's map of modules names each module of the package, and nothing else."""
+    import glmvit_cupy
+
+    listed = re.findall(r"^  (\w+) ", glmvit_cupy.__doc__, re.M)
+    modules = sorted(path.stem for path in (ROOT / "glmvit_cupy").glob("*.py") if path.stem != "__init__")
+    assert sorted(listed) == modules

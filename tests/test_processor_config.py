@@ -128,7 +128,7 @@ def test_info_and_encode_use_the_file_and_the_options(tmp_path):
     from glmvit_cupy.synthetic import write_checkpoint
     from test_cli import run
 
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, export="vision-only")
     (ckpt / PREPROCESSOR_FILE).write_text(json.dumps({"min_image_tokens": 30, "max_image_tokens": 40, "resample": 0}))
     proc = run("info", "--model", str(ckpt), "--max-image-tokens", "36")
     assert proc.returncode == 0, proc.stderr
