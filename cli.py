@@ -28,6 +28,7 @@ from glmvit_cupy.shards import DEFAULT_SHARD_SIZE
 from glmvit_cupy.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
 from glmvit_cupy.video import VIDEO_EXTENSIONS
+from glmvit_cupy.weights import BLOCK_TENSORS, NON_BLOCK_TENSORS, parameter_count, tensor_count
 from glmvit_cupy.writer import write_atomic
 
 PAYLOAD_LIMIT = 32 * 2**20  # serve --payload-limit: a large photo as base64 JSON, with room
@@ -356,8 +357,9 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
     rows = [
         ("checkpoint", str(directory) + ("" if Path(model_dir) == directory else f" ({model_dir}, cached)")),
         ("prefix", loc.prefix or "none (bare names, as Glm5NextVisionModel.save_pretrained writes them)"),
-        ("tensors", f"{len(loc.entries)} BF16 (census of depth x 14 + 11 = {geo.tensor_count} complete)"),
-        ("parameters", f"{geo.parameter_count:,}"),
+        ("tensors", f"{len(loc.entries)} BF16 (census of depth x {len(BLOCK_TENSORS)} + {len(NON_BLOCK_TENSORS)} = "
+                    f"{tensor_count(geo)} complete)"),
+        ("parameters", f"{parameter_count(geo):,}"),
         ("bytes", f"{loc.tower_bytes:,} ({loc.tower_bytes / 2**30:.2f} GiB)"),
         ("shards read", ", ".join(read) + (f" ({skipped} other shard(s) not opened)" if skipped else "")),
         ("geometry", f"depth {geo.depth}, hidden {geo.hidden_size}, heads {geo.num_heads} (head_dim "

@@ -77,7 +77,7 @@ from glmvit_cupy.sources import expand_inputs  # noqa: E402
 
 WARMUP_FILES = 16
 FORWARD_PASSES = 2
-GRAPH_BATCHES = 16  # the engine keeps graphs for its last 16 grids (engine.MAX_GRAPHS)
+GRAPH_BATCHES = 16  # the engine keeps graphs for its last 16 grids (engine.GRIDS_KEPT)
 TRANSFORMERS_BATCH = 16
 TARGET_FORWARD_RATIO = 0.9
 TARGET_TRANSFORMERS_RATIO = 7.0

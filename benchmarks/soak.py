@@ -51,7 +51,7 @@ from proctree import tree_memory  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
 from glmvit_cupy.preprocess import preprocess  # noqa: E402
-from glmvit_cupy.shards import read_header  # noqa: E402
+from glmvit_cupy.checkpoint import read_header  # noqa: E402
 from glmvit_cupy.sources import expand_inputs  # noqa: E402
 
 REQUESTS = 24  # templates: more than the engine's 16 kept graphs, so graphs are also evicted
@@ -164,17 +164,17 @@ class Consumer(threading.Thread):
     def drain(self) -> None:
         for jsonl in sorted(p for p in self.out_dir.iterdir() if SHARD_JSONL.match(p.name)):
             shard = jsonl.with_suffix(".safetensors")
-            header, start = read_header(shard)
+            entries, _ = read_header(shard)
             raw = np.memmap(shard, dtype=np.uint8, mode="r")
-            names = sorted(n for n in header if n not in ("__metadata__", "grid_thw", "offsets"))
+            names = sorted(n for n in entries if n not in ("grid_thw", "offsets"))
             for line in jsonl.read_text().splitlines():
                 record = json.loads(line)
                 digest = hashlib.sha256()
                 for name in names:
-                    begin, end = header[name]["data_offsets"]
-                    row = (end - begin) // header[name]["shape"][0]
+                    entry = entries[name]
+                    row = (entry.end - entry.begin) // entry.shape[0]
                     a, b = record["rows"]
-                    digest.update(raw[start + begin + a * row:start + begin + b * row])
+                    digest.update(raw[entry.begin + a * row:entry.begin + b * row])
                 photo = Path(record["path"]).name
                 want = self.first.setdefault(photo, digest.hexdigest())
                 self.records += 1

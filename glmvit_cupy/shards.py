@@ -33,9 +33,10 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .bf16 import bf16_to_f32
+from .checkpoint import HeaderEntry, read_header
 from .errors import GlmVitError
 from .staging import DTYPES
-from .writer import create_temp, fsync_dir, is_temp, write_atomic
+from .writer import create_temp, fsync_dir, is_temp, safetensors_header, write_atomic
 
 SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
 FORMAT = "glmvit-cupy embeddings 1"
@@ -53,13 +54,6 @@ def _write_error(directory: Path, exc: OSError) -> GlmVitError:
     """An OSError while writing shards (a full disk, a quota, a lost mount) as one line."""
     return GlmVitError(f"{directory}: writing the embeddings failed: {exc.strerror or exc}; only whole shards are "
                        "kept: free some space (or fix the directory) and run the same command again")
-
-
-def _header(tensors: dict[str, tuple[str, list[int], int, int]], metadata: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": metadata}
-    for name, (dtype, shape, begin, end) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
-    return json.dumps(header, separators=(",", ":")).encode()
 
 
 class _OpenShard:
@@ -92,9 +86,9 @@ class ShardWriter:
         self.directory, self.outputs, self.dtype, self.width = directory, tuple(outputs), dtype, width
         self.shard_size, self.next_index, self.metadata = shard_size, first_index, metadata
         self.st_dtype = DTYPES[dtype][1]
-        worst = {name: (self.st_dtype, [_MAX_INT, _MAX_INT], _MAX_INT, _MAX_INT) for name in self.outputs}
-        worst.update(grid_thw=("I64", [_MAX_INT, 3], _MAX_INT, _MAX_INT), offsets=("I64", [_MAX_INT], _MAX_INT, _MAX_INT))
-        self.reserve = -(-len(_header(worst, metadata)) // 8) * 8
+        worst = [(name, self.st_dtype, [_MAX_INT, _MAX_INT], _MAX_INT) for name in self.outputs]
+        worst += [("grid_thw", "I64", [_MAX_INT, 3], _MAX_INT), ("offsets", "I64", [_MAX_INT], _MAX_INT)]
+        self.reserve = -(-len(safetensors_header(worst, metadata)) // 8) * 8
         self.shard: _OpenShard | None = None
         # Sealing (fsync, renames) runs on a thread of its own, in shard order: an fsync of a shard
         # of photos takes up to a second, during which the next shard keeps filling.
@@ -161,11 +155,7 @@ class ShardWriter:
     def _seal(self, shard: _OpenShard) -> None:
         n, rows, itemsize = len(shard.records), shard.rows, np.dtype(DTYPES[self.dtype][0]).itemsize
         main, main_path = shard.files[self.outputs[0]]
-        tensors, cursor = {}, 0
-        for name in self.outputs:
-            size = rows * self.width * itemsize
-            tensors[name] = (self.st_dtype, [rows, self.width], cursor, cursor + size)
-            cursor += size
+        tensors = [(name, self.st_dtype, [rows, self.width], rows * self.width * itemsize) for name in self.outputs]
         for name in self.outputs[1:]:  # side files after the first output's rows
             side, _ = shard.files[name]
             side.flush()
@@ -175,10 +165,9 @@ class ShardWriter:
         grid = np.array([r["grid_thw"] for r in shard.records], dtype=np.int64).reshape(n, 3)
         offsets = np.array([0] + [r["rows"][1] for r in shard.records], dtype=np.int64)
         for name, array in (("grid_thw", grid), ("offsets", offsets)):
-            tensors[name] = ("I64", list(array.shape), cursor, cursor + array.nbytes)
+            tensors.append((name, "I64", list(array.shape), array.nbytes))
             main.write(array.tobytes())
-            cursor += array.nbytes
-        header = _header(tensors, self.metadata)
+        header = safetensors_header(tensors, self.metadata)
         main.seek(0)
         main.write(struct.pack("<Q", self.reserve) + header + b" " * (self.reserve - len(header)))
         main.flush()
@@ -244,19 +233,6 @@ class BackgroundWriter:
         self.writer.discard()
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """A shard's safetensors header (tensor entries and __metadata__) and where its data starts."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise GlmVitError(f"{path}: truncated shard")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            return json.loads(f.read(min(n, 100 << 20))), 8 + n
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise GlmVitError(f"{path}: corrupt shard header: {exc}") from None
-
-
 def complete_shards(directory: Path) -> list[tuple[int, Path, Path]]:
     """(index, .safetensors, .jsonl) of every finished shard, by index."""
     found = []
@@ -301,7 +277,7 @@ class OutputDir:
         self.done: dict[str, dict] = {}
         self.next_index = 0
         for index, shard, jsonl in complete_shards(self.directory):
-            theirs = read_header(shard)[0].get("__metadata__", {})
+            theirs = read_header(shard)[1]
             for field in SETTINGS:
                 if theirs.get(field) != metadata.get(field):
                     raise GlmVitError(
@@ -348,8 +324,8 @@ def record_key(record: dict) -> str:
 Directories = str | Path | Iterable[str | Path]
 
 
-def _shards_of(directories: Directories) -> Iterator[tuple[Path, Path, dict, int]]:
-    """(.safetensors, .jsonl, header, where its data starts) of every finished shard of one or more output directories (one
+def _shards_of(directories: Directories) -> Iterator[tuple[Path, Path, dict[str, HeaderEntry]]]:
+    """(.safetensors, .jsonl, tensor entries) of every finished shard of one or more output directories (one
     collection: each host's, or each Ray write task's, directory), refusing shards whose
     settings differ from the first's."""
     if isinstance(directories, (str, Path)):
@@ -366,20 +342,19 @@ def _shards_of(directories: Directories) -> Iterator[tuple[Path, Path, dict, int
                                                       "as read_embeddings(glmvit_cupy.ray.parts(...))" if nested else
                                                       ": not the --out-dir of a run that finished a shard"))
         for _, shard, jsonl in found:
-            header, data_start = read_header(shard)
-            theirs = header.get("__metadata__", {})
+            entries, theirs = read_header(shard)
             if first is None:
                 first = shard, theirs
             for field in SETTINGS:
                 if theirs.get(field) != first[1].get(field):
                     raise GlmVitError(f"{shard}: made with {field} {theirs.get(field)!r}, {first[0]} with "
                                       f"{first[1].get(field)!r}: not one collection")
-            yield shard, jsonl, header, data_start
+            yield shard, jsonl, entries
 
 
 def read_records(directories: Directories) -> Iterator[dict]:
     """The metadata line of every image of one or more finished output directories (what is done)."""
-    for _, jsonl, _, _ in _shards_of(directories):
+    for _, jsonl, _ in _shards_of(directories):
         yield from _records(jsonl)
 
 
@@ -389,15 +364,14 @@ def read_embeddings(directories: Directories) -> Iterator[tuple[dict, dict[str, 
     Shards are memory-mapped, so a collection of any size is read one image at a time. A
     directory with no finished shard (and no failures.jsonl: a run whose every image failed) is
     refused in one line, not read as an empty collection."""
-    for shard, jsonl, header, data_start in _shards_of(directories):
+    for shard, jsonl, entries in _shards_of(directories):
         raw = np.memmap(shard, dtype=np.uint8, mode="r")
-        names = [n for n in header if n not in ("__metadata__", "grid_thw", "offsets")]
         views = {}
-        for name in names:
-            entry = header[name]
-            begin, end = entry["data_offsets"]
-            kind = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[entry["dtype"]]
-            views[name] = (raw[data_start + begin:data_start + end].view(kind).reshape(entry["shape"]), entry["dtype"])
+        for name, entry in entries.items():
+            if name in ("grid_thw", "offsets"):
+                continue
+            kind = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[entry.dtype]
+            views[name] = (raw[entry.begin:entry.end].view(kind).reshape(entry.shape), entry.dtype)
         for record in _records(jsonl):
             a, b = record["rows"]
             arrays = {name: (bf16_to_f32(v[a:b]) if dt == "BF16" else v[a:b].astype(np.float32))

@@ -119,7 +119,7 @@ def test_encode_names_the_file_whose_embedding_overflows(tmp_path):
     """Finite weights, but one so large (BF16's largest) that a white image overflows float32 in
     the patch embedding while a mid-grey one (normalised to ~0 there) does not: encode refuses,
     naming the white image's file."""
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, export="vision-only")
     entry = locate_tower(ckpt).entries["patch_embed.proj.weight"]
     with open(entry.shard, "r+b") as f:
         f.seek(entry.offset)  # [0, 0]: hidden channel 0 x the red value of each patch's first pixel
@@ -222,7 +222,7 @@ def test_threads_sharing_one_gpu_glmvit_take_turns(tiny_ckpt):
 @pytest.mark.gpu
 def test_the_engines_attention_default_is_not_overridden(tmp_path):
     """head_dim 32 has no flash kernel: with no attention asked for, the engine's own default
-    ("auto": naive there) holds, and from_pretrained works (the API's default used to force flash)."""
+    ("auto": naive there) holds, and from_pretrained works with the API's default."""
     import dataclasses
 
     from glmvit_cupy.geometry import REAL, GlmVitGeometry

@@ -138,7 +138,7 @@ def test_user_mistakes_are_one_line(tmp_path, tiny_ckpt, pngs):
 def test_text_only_and_broken_checkpoints(tmp_path, pngs):
     from glmvit_cupy.synthetic import write_checkpoint
 
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=4, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=4, export="vision-only")
     (ckpt / "config.json").write_text('{"model_type": "glm5_next", "text_config": {}}')
     assert_clean_failure(run("info", "--model", str(ckpt)), "text-only")
     (ckpt / "config.json").write_text('{"model_type": "glm5_next_vision", "depth": 3}')

@@ -355,7 +355,7 @@ def test_over_the_budget_or_non_finite_is_422_and_the_server_serves_on(tmp_path)
     input for an image over them, and for an image whose embedding overflows: one weight set so large
     (the patch embedding's red tap, as test_api's overflow test) that only a pure white pixel overflows
     float32, the warm-up photograph's brightest (252) does not. Good images around them get 200."""
-    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, layout="vision-only")
+    ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, export="vision-only")
     entry = locate_tower(ckpt).entries["patch_embed.proj.weight"]
     with open(entry.shard, "r+b") as f:
         f.seek(entry.offset)
