@@ -357,7 +357,8 @@ Examples:
 def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
          max_image_tokens: int | None) -> None:
     """Show the tower bound from a checkpoint (headers only; no tensor data is read) and the
-    image processor's settings in force, each with where it came from."""
+    image and video processors' settings in force, each with where it came from (the budget
+    options set both, as encode does)."""
     from PIL import Image
 
     from glmvit_cupy.checkpoint import locate_tower
@@ -365,6 +366,7 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
     from glmvit_cupy.scratch import scratch_plan
+    from glmvit_cupy.video import check_video_config, video_config, video_config_file
 
     directory = resolve_model(model_dir)
     loc = locate_tower(directory)
@@ -399,6 +401,16 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
     for name, source in sources.items():
         value = getattr(processor, name)
         shown = f"{value} ({Image.Resampling(value).name.lower()})" if name == "resample" else str(value)
+        rows.append((f"  {name}", f"{shown}  [{source}]"))
+    video, video_sources = video_config(directory, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    check_video_config(video, geo)
+    where = video_config_file(directory)[1]
+    rows.append(("video processor", "no processor_config.json, video_preprocessor_config.json or "
+                 f"{PREPROCESSOR_FILE}: transformers' defaults" if where is None else
+                 f"{directory / where.split()[0]}" + (" (its video_processor)" if " " in where else "")))
+    for name, source in video_sources.items():
+        value = getattr(video, name)
+        shown = f"{value} (bicubic)" if name == "resample" else str(value)
         rows.append((f"  {name}", f"{shown}  [{source}]"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -356,6 +356,27 @@ def test_cli_encodes_videos_into_an_npz(tmp_path, checkpoints, clips):
         assert run.returncode == 1 and len(lines) == 1 and words in lines[0], run.stderr
 
 
+def test_info_shows_the_video_processor_and_its_sources(checkpoints):
+    """`glmvit-cupy info` lists the video processor's settings as it does the image processor's,
+    each with where it came from (the budget options set both, as encode does)."""
+    run = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "info", "--model", str(checkpoints["fps3"]),
+                          "--min-image-tokens", "8"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines()]
+    video = next(i for i, row in enumerate(rows) if row[:2] == ["video", "processor"])
+    assert rows[video][2:] == [str(checkpoints["fps3"] / "processor_config.json"), "(its", "video_processor)"]
+    settings = {row[0]: row[1:] for row in rows[video + 1:]}
+    assert settings["fps"] == ["3.0", "[processor_config.json", "video_processor]"]
+    assert settings["max_frames"] == ["9", "[processor_config.json", "video_processor]"]
+    assert settings["max_image_tokens"] == ["240000", "[default]"]
+    assert settings["min_image_tokens"] == ["8", "[option]"]
+    assert len(settings) == len(VideoConfig.__dataclass_fields__)
+    plain = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "info", "--model", str(checkpoints["plain"])],
+                           capture_output=True, text=True)
+    assert ("video processor no processor_config.json, video_preprocessor_config.json or preprocessor_config.json: "
+            "transformers' defaults") in " ".join(plain.stdout.split())
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"resample": 2}, r"resample 2: only bicubic \(3\)"),
     ({"fps": 0}, "fps 0.0 must be positive"),
