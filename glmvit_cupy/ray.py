@@ -6,7 +6,8 @@
     ds.write_datasink(ShardSink("embs/"))
     for record, arrays in read_embeddings(parts("embs/")): ...
 
-A row carries an image: `bytes` (the file's contents; `path` then only names it) or a `path`
+A row carries an image (a video among the rows fails alone: `glmvit-cupy encode --out-dir` takes
+videos): `bytes` (the file's contents; `path` then only names it) or a `path`
 the actors can read (with `member`, `offset` and `size` for a tar member, as `rows_of` writes
 them). It comes back as its source (`path`, `member`, `key`), `nbytes`, `sha256`, `grid_thw`, the
 embeddings (`pooler_output` and/or `last_hidden_state`, [tokens, out_hidden] in `dtype`; bfloat16
@@ -172,6 +173,7 @@ class ShardSink(Datasink):
                     record = {"path": row["path"]}
                     if row["member"] is not None:
                         record.update(member=row["member"], key=row["key"])
+                    record["kind"] = Source(row["path"], row["member"]).kind  # an image: a video fails here
                     if row["error"]:
                         failures.append({**record, "error": row["error"]})
                         continue
