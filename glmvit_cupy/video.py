@@ -36,6 +36,8 @@ import dataclasses
 import functools
 import io
 import math
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence, Union
@@ -47,6 +49,7 @@ from .geometry import MIN_IMAGE_TOKENS, REAL, GlmVitGeometry
 from .preprocess import (CLIP_MEAN, CLIP_STD, PREPROCESSOR_FILE, check_shared_fields, content_size, read_json_object,
                          settings_from, smart_resize)
 from .preprocess import _field_value as image_field_value
+from .workers import usable_cpus
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".mov", ".avi")
 PROCESSOR_FILE = "processor_config.json"  # its "video_processor" object, when it has one
@@ -199,6 +202,8 @@ def sample_frames(total_frames: int, fps: float, duration: float, config: VideoC
 # float64 holds each exactly, in any order), which BLAS does ~7x faster than a loop over taps.
 
 RESIZE_BAND = 64  # output pixels a band: its weights are a dense [inputs it reads, 64] block
+# Kept frames converted to RGB and scaled at once, beside the decode (swscale and NumPy leave the GIL).
+SCALE_THREADS = min(8, usable_cpus())
 
 
 def _cubic(x: float) -> float:
@@ -485,6 +490,11 @@ class VideoReader:
         if not container.streams.video:
             raise GlmVitError(f"{name}: has no video stream")
         stream = self.stream = container.streams.video[0]
+        # FFmpeg's frame and slice threads, one a core: a long video's decode is not one core's
+        # work. A valid stream gives the same pictures as on one thread (FFmpeg's frame threads are
+        # bit-exact); a corrupt one may be concealed otherwise before it fails, and a truncated
+        # one ends without an error (the count of frames decoded says so).
+        stream.thread_type = "AUTO"
         if stream.codec_context is None or not stream.codec_context.codec.name:
             raise GlmVitError(f"{name}: its video codec has no decoder in PyAV's FFmpeg")
         self.width, self.height = stream.codec_context.width, stream.codec_context.height
@@ -521,28 +531,45 @@ class VideoReader:
 
     def frames(self) -> Iterator[np.ndarray]:
         """Each kept frame in order, uint8 [content h, content w, 3] (a repeated index yields the
-        same array again), decoding no further than the last one."""
+        same array again), decoding no further than the last one. FFmpeg decodes on its own
+        threads (frame and slice threads: the same pictures as one thread); the RGB conversion
+        and the scaling of kept frames run on SCALE_THREADS threads, at most SCALE_THREADS + 1
+        frames ahead of the one yielded."""
         indices, name = self.indices, self.name
-        k, index = 0, -1
-        try:
-            for index, frame in enumerate(self.container.decode(self.stream)):
-                if index != indices[k]:
-                    continue
-                rgb = frame.to_ndarray(format="rgb24")
-                if rgb.shape[:2] != (self.height, self.width):
-                    raise GlmVitError(f"{name}: frame {index} is {rgb.shape[1]}x{rgb.shape[0]}, the stream "
-                                      f"header says {self.width}x{self.height}")
-                scaled = _scaled(rgb, self.content)
-                while k < len(indices) and indices[k] == index:
-                    yield scaled
-                    k += 1
-                if k == len(indices):
-                    return
-        except self.av.FFmpegError as exc:
-            raise GlmVitError(f"{name}: cannot decode frame {index + 1} (a truncated or corrupt file?): {exc}") \
-                from None
+        unique = sorted(set(indices))  # the kept frames in decoding order (indices ascend)
+        k = u = 0  # indices yielded, unique frames submitted
+        index = -1
+        pending: deque[tuple[int, Future]] = deque()
+        with ThreadPoolExecutor(SCALE_THREADS, thread_name_prefix="glmvit-video-scale") as pool:
+            try:
+                for index, frame in enumerate(self.container.decode(self.stream)):
+                    if index == unique[u]:
+                        pending.append((index, pool.submit(self._rgb, frame, index)))
+                        u += 1
+                    while pending and (len(pending) > SCALE_THREADS or u == len(unique)):
+                        done, future = pending.popleft()
+                        scaled = future.result()
+                        while k < len(indices) and indices[k] == done:
+                            yield scaled
+                            k += 1
+                    if u == len(unique):
+                        return
+            except self.av.FFmpegError as exc:
+                raise GlmVitError(f"{name}: cannot decode frame {index + 1} (a truncated or corrupt file?): {exc}") \
+                    from None
+            finally:
+                for _, future in pending:
+                    future.cancel()
         raise GlmVitError(f"{name}: truncated: the header counts {self.frame_count} frames, only {index + 1} "
-                          f"decode (frame {indices[k]} was to be sampled)")
+                          f"decode (frame {unique[u]} was to be sampled)")
+
+    def _rgb(self, frame: Any, index: int) -> np.ndarray:
+        """A decoded frame as RGB, scaled to the content size."""
+        rgb = frame.to_ndarray(format="rgb24")
+        if rgb.shape[:2] != (self.height, self.width):
+            raise GlmVitError(f"{self.name}: frame {index} is {rgb.shape[1]}x{rgb.shape[0]}, the stream header "
+                              f"says {self.width}x{self.height}")
+        return _scaled(rgb, self.content)
 
     def close(self) -> None:
         self.container.close()

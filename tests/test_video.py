@@ -276,7 +276,13 @@ def test_bad_videos_are_one_line_naming_the_file(tmp_path):
     refused(tmp_path / "cut.mp4", r"not a video PyAV can open \(a truncated file")
     faststart = write_clip(tmp_path / "fast.mp4", 60, 30, 64, 80, "libx264", options={"movflags": "faststart"})
     (tmp_path / "fast_cut.mp4").write_bytes(faststart.read_bytes()[:faststart.stat().st_size * 6 // 10])
-    refused(tmp_path / "fast_cut.mp4", r"cannot decode frame \d+ \(a truncated or corrupt file")
+    refused(tmp_path / "fast_cut.mp4", r"truncated: the header counts 60 frames, only 7 decode \(frame 15 was to be "
+                                       r"sampled\)")  # on frame threads the cut ends the decode without an error
+    mid = bytearray(write_clip(tmp_path / "mid.mp4", 90, 30, 120, 160, "libx264", options={"movflags": "faststart"})
+                    .read_bytes())
+    mid[len(mid) // 2:len(mid) // 2 + 200] = np.random.default_rng(1).integers(0, 256, 200, dtype=np.uint8).tobytes()
+    (tmp_path / "corrupt.mp4").write_bytes(bytes(mid))  # 200 bytes of noise half way through the frames
+    refused(tmp_path / "corrupt.mp4", r"cannot decode frame \d+ \(a truncated or corrupt file")
     mkv = write_clip(tmp_path / "full.mkv", 60, 30, 64, 80, "libx264")
     data = mkv.read_bytes()
     (tmp_path / "no_frames.mkv").write_bytes(data[:data.find(b"\x1f\x43\xb6\x75") + 8])  # up to the first cluster
