@@ -24,8 +24,6 @@ import dataclasses
 import threading
 from typing import Any, Iterator
 
-import numpy as np
-
 from .sources import Source
 from .video import VideoConfig, VideoReader, on_canvas
 
@@ -103,9 +101,3 @@ class FrameBudget:
         with self._changed:
             self._released = True
             self._changed.notify_all()
-
-
-def frame_rows(canvas: np.ndarray) -> np.ndarray:
-    """A prepared canvas as the rows it travels in from a decode worker: a video's [T, H, W, 3]
-    frames one a row, an image's [H, W, 3] canvas as one row."""
-    return canvas.reshape(canvas.shape[0] if canvas.ndim == 4 else 1, -1)

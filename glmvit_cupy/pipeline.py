@@ -163,7 +163,7 @@ def _receive_prepared(conn: Any, budget: FrameBudget | None = None, ticket: Any 
         budget.take(ticket, pixels.nbytes)
         prepared.held = pixels.nbytes
     try:
-        for row in clips.frame_rows(pixels):
+        for row in pixels.reshape(len(pixels), -1):  # a frame a message
             if conn.recv_bytes_into(row) == 0:  # decoding failed part way: the reason follows
                 return Prepared(None, conn.recv(), prepared.nbytes, prepared.sha256, prepared.decode_s)
         prepared.canvas = pixels
