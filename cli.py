@@ -402,12 +402,17 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
         value = getattr(processor, name)
         shown = f"{value} ({Image.Resampling(value).name.lower()})" if name == "resample" else str(value)
         rows.append((f"  {name}", f"{shown}  [{source}]"))
-    video, video_sources = video_config(directory, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
-    check_video_config(video, geo)
     where = video_config_file(directory)[1]
     rows.append(("video processor", "no processor_config.json, video_preprocessor_config.json or "
                  f"{PREPROCESSOR_FILE}: transformers' defaults" if where is None else
                  f"{directory / where.split()[0]}" + (" (its video_processor)" if " " in where else "")))
+    try:  # settings no video can be encoded with (an image resample other than bicubic): shown, not fatal
+        video, video_sources = video_config(directory, min_image_tokens=min_image_tokens,
+                                            max_image_tokens=max_image_tokens)
+        check_video_config(video, geo)
+    except GlmVitError as exc:
+        rows.append(("  refused", f"{exc} (images are unaffected; videos are refused)"))
+        video_sources = {}
     for name, source in video_sources.items():
         value = getattr(video, name)
         shown = f"{value} (bicubic)" if name == "resample" else str(value)
