@@ -114,6 +114,7 @@ Examples:
   glmvit-cupy encode 'shots/**/*.jpg' data-{000..009}.tar --model ckpt --out-dir embs/
   find /data -name '*.png' | glmvit-cupy encode --files-from - --model ckpt --out-dir embs/
   glmvit-cupy encode clip.mp4 --model ckpt --out emb.npz     # videos: .mp4 .mkv .webm .mov .avi
+  glmvit-cupy encode ~/clips ~/photos --model ckpt --out-dir embs/    # videos and images together
 
 Re-running the same --out-dir command after an interruption (Ctrl-C, a kill, a crash)
 encodes only what is missing.""")
@@ -156,24 +157,27 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
            out_dir: Path | None, backend: str, which: str, dtype: str | None, shard_size: int, workers: int,
            fail_fast: bool, quiet: bool, max_pixels: int | None, devices: str | None, kernels: str,
            min_image_tokens: int | None, max_image_tokens: int | None) -> None:
-    """Encode images (INPUTS: files, directories, quoted glob patterns, .tar shards) into
-    embeddings.
+    """Encode images and videos (INPUTS: files, directories, quoted glob patterns, .tar
+    shards; videos by their extension, .mp4 .mkv .webm .mov .avi) into embeddings.
 
     With --out, a few images into one file: .npy holds float32 [tokens, out_hidden] of one
     image; .npz holds pooler_output and/or last_hidden_state (all images' tokens stacked),
     grid_thw [images, 3] and offsets [images + 1] (image i owns rows offsets[i]:offsets[i+1]).
+    Videos (all the inputs) go into an .npz with their timestamps, frames and fps too.
 
     With --out-dir, a collection of any size, streamed: DIR/shard-00000.safetensors holds
-    the shard's images' rows ([tokens, out_hidden], --dtype), grid_thw and offsets;
-    DIR/shard-00000.jsonl one line an image (source, bytes, sha256, grid_thw, tokens,
-    rows). Inputs that fail to decode are listed in DIR/failures.jsonl and make the exit
-    status non-zero; the rest are encoded.
+    the shard's inputs' rows ([tokens, out_hidden], --dtype; a video's in time order),
+    grid_thw and offsets; DIR/shard-00000.jsonl one line an input (source, kind, bytes,
+    sha256, grid_thw, tokens, rows; a video's frames sampled, fps and the timestamps of its
+    temporal groups). Inputs that fail to decode are listed in DIR/failures.jsonl and make
+    the exit status non-zero; the rest are encoded.
     """
     from glmvit_cupy import GlmVit, load_geometry
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.pipeline import Decoder, check_collection_settings
     from glmvit_cupy.preprocess import processor_config
     from glmvit_cupy.sources import expand_inputs
+    from glmvit_cupy.video import check_video_config, video_config
 
     if (out_path is None) == (out_dir is None):
         raise GlmVitError("give exactly one of --out FILE (a few images) and --out-dir DIR (a collection)")
@@ -184,23 +188,33 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         from glmvit_cupy.devices import parse_devices
         device_list = parse_devices(devices)
     if not inputs and files_from is None:
-        raise GlmVitError("no inputs: name image files, directories, patterns or .tar shards, or --files-from")
-    if any(Path(name).suffix.lower() in VIDEO_EXTENSIONS for name in inputs):
-        _encode_videos(inputs, files_from is not None or devices is not None or out_dir is not None, model_dir,
-                       out_path, backend, which, dtype, max_pixels, kernels, min_image_tokens, max_image_tokens)
-        return
+        raise GlmVitError("no inputs: name image or video files, directories, patterns or .tar shards, or "
+                          "--files-from")
     sources = expand_inputs(inputs, files_from, unique=out_dir is not None)  # --out: one result a mention
     if not sources:
-        raise GlmVitError("the inputs name no image (directories are searched for "
-                          f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
+        raise GlmVitError("the inputs name no image or video (directories are searched for "
+                          f"{', '.join(sorted(IMAGE_EXTENSIONS | set(VIDEO_EXTENSIONS)))})")
+    kinds = {source.kind for source in sources}
+    if out_path is not None and "video" in kinds:
+        if kinds != {"video"}:
+            raise GlmVitError("--out takes images or videos, not both (--out-dir takes both)")
+        _encode_videos(sources, model_dir, out_path, backend, which, dtype, max_pixels, kernels, min_image_tokens,
+                       max_image_tokens)
+        return
     if out_path is not None:
         _check_single_output(out_path, which, dtype, len(sources))
 
     directory = resolve_model(model_dir)
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     processor, _ = processor_config(directory, **budget)
-    check_collection_settings(load_geometry(directory), processor, max_pixels)
-    decoder = Decoder(min(workers, len(sources)), processor)  # its workers start now, while the tower is read
+    geo = load_geometry(directory)
+    check_collection_settings(geo, processor, max_pixels, images="image" in kinds)
+    video = None
+    if "video" in kinds:  # the video processor's settings, as encode_video takes them (the budget options too)
+        video, _ = video_config(directory, **budget)
+        check_video_config(video, geo)
+    # its workers start now, while the tower is read
+    decoder = Decoder(min(workers, len(sources)), processor, video=video)
     group = None
     try:
         if devices is None:
@@ -209,7 +223,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         else:
             from glmvit_cupy.devices import EngineGroup
             vit = group = EngineGroup(directory, device_list, backend, max_pixels, processor, OUTPUTS[which],
-                                      dtype or DEFAULT_DTYPE, kernels)
+                                      dtype or DEFAULT_DTYPE, kernels, video)
         if vit.backend_note and vit.backend == "numpy":
             click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
         if out_path is not None:
@@ -257,20 +271,18 @@ def _encode_to_file(vit, sources, out_path: Path, which: str, decoder, processor
                f"({', '.join(arrays)}), backend {vit.backend}", err=True)
 
 
-def _encode_videos(inputs: tuple[str, ...], collection: bool, model_dir: str, out_path: Path | None, backend: str,
-                   which: str, dtype: str | None, max_pixels: int | None, kernels: str, min_image_tokens: int | None,
+def _encode_videos(sources: list, model_dir: str, out_path: Path, backend: str, which: str, dtype: str | None,
+                   max_pixels: int | None, kernels: str, min_image_tokens: int | None,
                    max_image_tokens: int | None) -> None:
-    """Video files into one .npz: pooler_output and/or last_hidden_state (every video's rows in time
-    order, stacked), grid_thw [videos, 3], offsets [videos + 1] into the rows, timestamps (seconds
-    of each temporal group's first frame, grid_thw[:, 0] of them a video, stacked), frames and fps
-    [videos] (frames sampled, the source's rate). The token budget options set the whole video's."""
+    """Videos (sources.Source, files or tar members) into one .npz: pooler_output and/or
+    last_hidden_state (every video's rows in time order, stacked), grid_thw [videos, 3], offsets
+    [videos + 1] into the rows, timestamps (seconds of each temporal group's first frame,
+    grid_thw[:, 0] of them a video, stacked), frames and fps [videos] (frames sampled, the
+    source's rate). The token budget options set the whole video's."""
     from glmvit_cupy import GlmVit
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.video import video_config
 
-    if collection or out_path is None or not all(Path(name).suffix.lower() in VIDEO_EXTENSIONS for name in inputs):
-        raise GlmVitError("videos are encoded as video files only, into --out FILE.npz (no images beside them, "
-                          "no --out-dir, --files-from or --devices)")
     if out_path.suffix.lower() != ".npz" or dtype is not None:
         raise GlmVitError(f"{out_path}: videos go into a float32 .npz (rows, grid_thw and timestamps a video)")
     check_writable(out_path)
@@ -280,7 +292,13 @@ def _encode_videos(inputs: tuple[str, ...], collection: bool, model_dir: str, ou
     vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, kernels=kernels)
     if vit.backend_note and vit.backend == "numpy":
         click.echo(f"glmvit-cupy: {vit.backend_note}", err=True)
-    outs = [vit.encode_video(name, config=config) for name in inputs]
+    outs = []
+    for source in sources:
+        if source.member is None:
+            outs.append(vit.encode_video(source.path, config=config))
+        else:
+            with source.open() as member:
+                outs.append(vit.encode_video(member, config=config))
     arrays = {name: np.concatenate([getattr(out, name) for out in outs]) for name in OUTPUTS[which]}
     offsets = np.concatenate([[0], np.cumsum([len(out.pooler_output) for out in outs])]).astype(np.int64)
     write_atomic(out_path, lambda f: np.savez(
@@ -335,7 +353,8 @@ Examples:
 def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
          max_image_tokens: int | None) -> None:
     """Show the tower bound from a checkpoint (headers only; no tensor data is read) and the
-    image processor's settings in force, each with where it came from."""
+    image and video processors' settings in force, each with where it came from (the budget
+    options set both, as encode does)."""
     from PIL import Image
 
     from glmvit_cupy.checkpoint import locate_tower
@@ -343,6 +362,7 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
     from glmvit_cupy.scratch import scratch_plan
+    from glmvit_cupy.video import check_video_config, video_config, video_config_file
 
     directory = resolve_model(model_dir)
     loc = locate_tower(directory)
@@ -378,6 +398,21 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
     for name, source in sources.items():
         value = getattr(processor, name)
         shown = f"{value} ({Image.Resampling(value).name.lower()})" if name == "resample" else str(value)
+        rows.append((f"  {name}", f"{shown}  [{source}]"))
+    where = video_config_file(directory)[1]
+    rows.append(("video processor", "no processor_config.json, video_preprocessor_config.json or "
+                 f"{PREPROCESSOR_FILE}: transformers' defaults" if where is None else
+                 f"{directory / where.split()[0]}" + (" (its video_processor)" if " " in where else "")))
+    try:  # settings no video can be encoded with (an image resample other than bicubic): shown, not fatal
+        video, video_sources = video_config(directory, min_image_tokens=min_image_tokens,
+                                            max_image_tokens=max_image_tokens)
+        check_video_config(video, geo)
+    except GlmVitError as exc:
+        rows.append(("  refused", f"{exc} (images are unaffected; videos are refused)"))
+        video_sources = {}
+    for name, source in video_sources.items():
+        value = getattr(video, name)
+        shown = f"{value} (bicubic)" if name == "resample" else str(value)
         rows.append((f"  {name}", f"{shown}  [{source}]"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -59,7 +59,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -168,14 +168,16 @@ def read_records(out_dir: Path) -> tuple[int, int, int]:
 
 
 def end_to_end(files: list[str], collection: Path, model: Path, workers: int, backend: str,
-               extra: Sequence[str] = (), out_dir: Path | None = None) -> dict:
-    """The warm-up run, then the measured run into a fresh directory (removed afterwards, unless
-    it is the `out_dir` given, for the caller to read); `extra`: more options of both
-    (devices.py's --devices)."""
+               extra: Sequence[str] = (), out_dir: Path | None = None,
+               warmup: Sequence[str] | None = None) -> dict:
+    """The warm-up run (on `warmup`, default the first WARMUP_FILES files), then the measured
+    run into a fresh directory (removed afterwards, unless it is the `out_dir` given, for the
+    caller to read); `extra`: more options of both (devices.py's --devices)."""
     scratch = Path(tempfile.mkdtemp(prefix="glmvit-e2e-"))
     out_dir = out_dir or scratch / "out"
     try:
-        run_cli(files[:WARMUP_FILES], model, scratch / "warmup", workers, backend, extra)
+        run_cli(list(files[:WARMUP_FILES] if warmup is None else warmup), model, scratch / "warmup", workers, backend,
+                extra)
         result = run_cli([str(collection)], model, out_dir, workers, backend, extra)
         records, tokens, size = read_records(out_dir)
     finally:
@@ -208,17 +210,24 @@ def prepare_batches(files: list[str], config: ProcessorConfig, p_max: int, worke
 
 def forward_only(vit: GlmVit, files: list[str], config: ProcessorConfig, workers: int) -> tuple[dict, np.ndarray]:
     """The forward alone on the pipeline's batches of these files; (result, grids of all files)."""
+    return forward_passes(vit, prepare_batches(files, config, vit.p_max, workers), len(files))
+
+
+def forward_passes(vit: GlmVit, host_batches: Iterable[tuple[np.ndarray, np.ndarray]],
+                   inputs: int) -> tuple[dict, np.ndarray]:
+    """The forward alone on these (pixel_values, grid_thw) batches of `inputs` inputs, uploaded
+    first, FORWARD_PASSES times back to back; (result, the batches' grid rows)."""
     gpu = vit.backend == "cupy"
     batches = []
     if gpu:
         import cupy
         free = cupy.cuda.runtime.memGetInfo()[0]
-    for pixels, grid in prepare_batches(files, config, vit.p_max, workers):
+    for pixels, grid in host_batches:
         if gpu:
             free -= pixels.nbytes
             if free < vit.scratch_bytes + 2**31:
                 raise GlmVitError(f"forward-only: the collection's pixel_values do not fit on the device "
-                                  f"next to the scratch ({vit.scratch_bytes / 2**30:.1f} GiB); use fewer --images")
+                                  f"next to the scratch ({vit.scratch_bytes / 2**30:.1f} GiB); use a smaller collection")
             pixels = cupy.asarray(pixels)
         batches.append((pixels, grid))
     sync = cupy.cuda.Device().synchronize if gpu else (lambda: None)
@@ -248,8 +257,8 @@ def forward_only(vit: GlmVit, files: list[str], config: ProcessorConfig, workers
     tokens = patches // vit.geometry.merge_unit
     best = min(passes)
     result = dict(batches=len(batches), patches=patches, tokens=tokens, pass_s=[round(t, 3) for t in passes],
-                  images_per_s=round(len(files) / best, 2), tokens_per_s=round(tokens / best, 1),
-                  first_pass_images_per_s=round(len(files) / passes[0], 2), graphs=graph)
+                  images_per_s=round(inputs / best, 2), tokens_per_s=round(tokens / best, 1),
+                  first_pass_images_per_s=round(inputs / passes[0], 2), graphs=graph)
     return result, grids
 
 

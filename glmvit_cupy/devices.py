@@ -7,7 +7,7 @@ stager of N engine processes, one a device, each choosing its device (CUDA_VISIB
 before it imports CuPy. A packed batch goes to the engine with the fewest batches in flight:
 
   main process                                   engine process (one a device)
-  canvases of batch k -> input slot k % DEPTH    slot -> its own stager (pinned, H2D, forward)
+  pixels of batch k   -> input slot k % DEPTH    slot -> its own stager (pinned, H2D, forward)
   (shared memory)        + (slot, grid) on pipe   outputs -> output slot k % DEPTH, reply on pipe
   result(k): copy out of the output slot <------
 
@@ -20,6 +20,8 @@ device must be chosen before CUDA starts.
 
 Separate from pipeline.py and model.py because none of this is needed by one engine: the
 pipeline sees one more stager (submit / Pending, `depth`, `engines`), the engine is unchanged.
+Videos take the same way: a batch's pixels (canvases, runs of a video's frames) cross as their
+shapes and bytes, and each engine's stager is made with the run's video settings.
 With `--backend numpy` the same processes run the NumPy engine, which is how CI tests this path.
 """
 
@@ -45,7 +47,8 @@ from .layout import merged_offsets, num_patches
 from .model import KERNELS
 from .preprocess import ProcessorConfig, check_processor
 from .pipeline import StreamTurn
-from .staging import DTYPES, Pending, check_dtype
+from .staging import DTYPES, Pending, check_dtype, pixel_bytes
+from .video import VideoConfig
 from .workers import Child
 from .writer import create_temp
 
@@ -172,6 +175,7 @@ class _EngineSpec:
     processor: ProcessorConfig
     dtype: str
     kernels: str  # model.KERNELS; GLMVIT_CHECK_LAUNCHES reaches the engine in its inherited environment
+    video: VideoConfig | None  # the video processor's settings, where the run takes videos
     layout: _Layout
     slots_path: str
 
@@ -191,7 +195,7 @@ def _engine_main(spec: _EngineSpec, conn: Connection) -> None:
         weights = TowerWeights(spec.location, arena, spec.offsets, spec.bytes_read)
         vit = GlmVit.from_weights(weights, spec.backend, spec.max_pixels, processor=spec.processor,
                                   kernels=spec.kernels)
-        stager = make_stager(vit, spec.processor)
+        stager = make_stager(vit, spec.processor, spec.video)
         slots = _attach(spec.slots_path, spec.layout.total)
     except (GlmVitError, MemoryError) as exc:
         conn.send(("error", str(exc) or type(exc).__name__))
@@ -273,11 +277,12 @@ class EngineGroup:
     "numpy" runs CPU engine processes (tests). `kernels` (model.KERNELS) is each GPU engine's
     choice; per-launch checks (GLMVIT_CHECK_LAUNCHES=1) are asked for in the environment, which
     the engine processes inherit. `engine_settings`: what each engine process runs,
-    (backend, kernel set or "", launches checked), one a device."""
+    (backend, kernel set or "", launches checked), one a device. `video`: the video
+    processor's settings, where the run takes videos (the decoder's)."""
 
     def __init__(self, model_dir: str | Path, devices: Sequence[int] | None, backend: str,
                  max_pixels: int | None, processor: ProcessorConfig, outputs: Sequence[str], dtype: str,
-                 kernels: str = "auto") -> None:
+                 kernels: str = "auto", video: VideoConfig | None = None) -> None:
         check_dtype(dtype)
         if kernels not in KERNELS:
             raise GlmVitError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
@@ -293,7 +298,7 @@ class EngineGroup:
         self._stream = StreamTurn(threading.Lock(), "a stream of the same engine group")
         self.engine_settings: list[tuple[str, str, bool]] = []
         self.layout = _Layout(tuple(outputs), np.dtype(DTYPES[dtype][0]).itemsize, self.geometry.out_hidden_size,
-                              self.p_max // self.geometry.merge_unit, self.p_max * 3 * processor.patch_size ** 2)
+                              self.p_max // self.geometry.merge_unit, pixel_bytes(self.p_max, processor, video))
         self._engines: list[_Engine] = []
         shared: list[_SharedFile] = []
         tower: list[_SharedFile] = []
@@ -315,7 +320,7 @@ class EngineGroup:
                 spec = _EngineSpec(
                     device, None if backend == "numpy" else (visible_list[device] if visible_list else str(device)),
                     backend, str(tower[0].path), weights.arena.size, location, weights.offsets, weights.bytes_read,
-                    max_pixels, processor, dtype, kernels, self.layout, str(slots.path))
+                    max_pixels, processor, dtype, kernels, video, self.layout, str(slots.path))
                 child = Child(_engine_main, (spec,), f"glmvit-cupy engine {device}")
                 self._engines.append(_Engine(index, device, child, child.conn, slots))
             del weights, allocate

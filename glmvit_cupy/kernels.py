@@ -126,12 +126,15 @@ class Kernels:
         n4 = src.size // 4
         self._f["f32_to_f16"](grid_1d(n4, 256), (256,), (src, dst, np.int64(n4)))
 
-    def patchify_u8(self, canvases: cupy.ndarray, images: cupy.ndarray, n_images: int, table: cupy.ndarray,
+    def patchify_u8(self, canvases: cupy.ndarray, images: cupy.ndarray, n_images: int, tables: cupy.ndarray,
                     out: cupy.ndarray, patch: int, temporal: int) -> None:
-        """out[P, 3 x temporal x patch^2] (BF16) from the uint8 canvases of a batch; images: int32
-        [n_images, 4] as patchify.cu describes, table float32 [3, 256]."""
+        """out[P, 3 x temporal x patch^2] (BF16) from the uint8 canvases (and videos' frames) of a
+        batch; images: int32 [n_images, 4] as patchify.cu describes, tables float32 [2, 3, 256]
+        (images', video groups')."""
+        if tables.shape != (2, 3, 256):
+            raise InternalError(f"patchify_u8 takes tables [2, 3, 256], not {list(tables.shape)}")
         self._f["patchify_u8"](grid_1d(out.shape[0], 1), (128,),
-                               (canvases, images, np.int32(n_images), table, out, np.int32(out.shape[0]),
+                               (canvases, images, np.int32(n_images), tables, out, np.int32(out.shape[0]),
                                 np.int32(patch), np.int32(temporal)))
 
     def rmsnorm_bias(self, x: cupy.ndarray, deferred_bias: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray,

@@ -364,8 +364,10 @@ def content_size(height: int, width: int, target_h: int, target_w: int, enlarge:
 
 
 def canvas_grid(shape: Sequence[int], config: ProcessorConfig = ProcessorConfig()) -> tuple[int, int, int]:
-    """grid_thw of a canvas of this [H, W, 3] shape: (1, H / patch, W / patch)."""
-    return 1, shape[0] // config.patch_size, shape[1] // config.patch_size
+    """grid_thw of a canvas of this [H, W, 3] shape, (1, H / patch, W / patch); or of a video's
+    frames on their canvas [T, H, W, 3], (T / temporal_patch_size, H / patch, W / patch)."""
+    groups = shape[0] // config.temporal_patch_size if len(shape) == 4 else 1
+    return groups, shape[-3] // config.patch_size, shape[-2] // config.patch_size
 
 
 @functools.lru_cache(maxsize=8)

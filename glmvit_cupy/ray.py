@@ -9,7 +9,8 @@ Ray Data's offline batch inference in the local pipeline's two stages (pipeline.
 - `decode`, a map_batches function run as CPU tasks: a row's image (`bytes`, or a `path`
   the tasks can read, with `member`, `offset` and `size` for a tar member, as `rows_of` writes
   them) becomes its uint8 canvas (pipeline.prepare: read, decode, resize, pad), the file's
-  `nbytes` and `sha256`, or an `error`.
+  `nbytes` and `sha256`, or an `error` (a video among the rows fails alone: `glmvit-cupy encode
+  --out-dir` takes videos).
 - `GlmVitEmbedder`, a callable class run as actors (one engine each, built in the actor: the
   driver never touches CUDA): a call packs its rows' canvases into forward batches as
   `encode` does (pipeline.encode_prepared: batch k+1 uploads while k computes) and yields
@@ -45,7 +46,7 @@ from ray.data.datasource import Datasink
 
 from .errors import GlmVitError
 from .pipeline import (DEFAULT_OUTPUT, Encoded, Prepared, StreamStats, check_collection_settings, encode_prepared,
-                       prepare, shard_metadata)
+                       prepare, shard_metadata, video_refused)
 from .preprocess import ProcessorConfig
 from .shards import DEFAULT_SHARD_SIZE, ShardWriter, write_failures
 from .sources import Source
@@ -102,7 +103,7 @@ def decode(batch: dict[str, np.ndarray], processor: ProcessorConfig) -> dict[str
     `prepare`; a row that fails keeps its reason in `error` and an empty canvas."""
     rows: dict[str, list] = {name: [] for name in ("path", "member", "nbytes", "sha256", "canvas", "error")}
     for item in _items(batch):
-        prepared = prepare(item, processor)
+        prepared = Prepared(None, video_refused(item)) if item.kind == "video" else prepare(item, processor)
         rows["path"].append(item.path)
         rows["member"].append(item.member)
         rows["nbytes"].append(prepared.nbytes or 0)
@@ -294,6 +295,7 @@ class ShardSink(Datasink):
                     record = {"path": str(row["path"])}
                     if _member(row["member"]) is not None:
                         record.update(member=row["member"], key=row["key"])
+                    record["kind"] = Source(row["path"], row["member"]).kind  # an image: a video fails here
                     if row["error"]:
                         failures.append({**record, "error": str(row["error"])})
                     else:

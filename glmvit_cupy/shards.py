@@ -1,9 +1,11 @@
 """The output directory of a collection run: sharded embeddings that survive interruption.
 
     DIR/shard-00000.safetensors   pooler_output (and/or last_hidden_state) [tokens, out_hidden]
-                                  for every image of the shard, grid_thw [n, 3], offsets [n + 1]
-    DIR/shard-00000.jsonl         one line an image, in row order: path (its input key), bytes, sha256,
-                                  grid_thw, tokens, rows
+                                  for every input of the shard (a video's rows in time order),
+                                  grid_thw [n, 3] ((1, h, w) an image, (T/2, h, w) a video), offsets [n + 1]
+    DIR/shard-00000.jsonl         one line an input, in row order: path (its input key), kind ("image" or
+                                  "video"; a video's frames sampled, source fps and the timestamps of its
+                                  temporal groups), bytes, sha256, grid_thw, tokens, rows
     DIR/failures.jsonl            the inputs of the last run that did not encode, and why
 
 A shard is written as it fills: its first output streams into a temporary file behind a
@@ -42,8 +44,20 @@ SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
 FORMAT = "glmvit-cupy embeddings 1"
 FAILURES = "failures.jsonl"
 DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way redoes
-SETTINGS = ("format", "tower", "outputs", "dtype", "processor")  # the metadata shards of one collection share
+# The metadata shards of one collection share. A shard without video_processor holds no video
+# (made before videos were taken, or by a run that takes none, such as Ray's): it agrees with any.
+SETTINGS = ("format", "tower", "outputs", "dtype", "processor", "video_processor")
+_ONLY_WITH_VIDEOS = ("video_processor",)
 _MAX_INT = 10 ** 20 - 1  # more digits than any int64 a header holds
+
+
+def conflict(theirs: dict[str, str], ours: dict[str, str]) -> str | None:
+    """The first setting two shards' metadata disagree on (None: one collection)."""
+    for field in SETTINGS:
+        a, b = theirs.get(field), ours.get(field)
+        if a != b and not (field in _ONLY_WITH_VIDEOS and (a is None or b is None)):
+            return field
+    return None
 
 
 def shard_name(index: int) -> str:
@@ -278,11 +292,11 @@ class OutputDir:
         self.next_index = 0
         for index, shard, jsonl in complete_shards(self.directory):
             theirs = read_header(shard)[1]
-            for field in SETTINGS:
-                if theirs.get(field) != metadata.get(field):
-                    raise GlmVitError(
-                        f"{shard}: made with {field} {theirs.get(field)!r}, this run has {metadata.get(field)!r}; "
-                        "use another --out-dir, or the settings it was made with")
+            field = conflict(theirs, metadata)
+            if field is not None:
+                raise GlmVitError(
+                    f"{shard}: made with {field} {theirs.get(field)!r}, this run has {metadata.get(field)!r}; "
+                    "use another --out-dir, or the settings it was made with")
             for record in _records(jsonl):
                 self.done[record_key(record)] = record
             self.next_index = index + 1
@@ -345,10 +359,10 @@ def _shards_of(directories: Directories) -> Iterator[tuple[Path, Path, dict[str,
             entries, theirs = read_header(shard)
             if first is None:
                 first = shard, theirs
-            for field in SETTINGS:
-                if theirs.get(field) != first[1].get(field):
-                    raise GlmVitError(f"{shard}: made with {field} {theirs.get(field)!r}, {first[0]} with "
-                                      f"{first[1].get(field)!r}: not one collection")
+            field = conflict(theirs, first[1])
+            if field is not None:
+                raise GlmVitError(f"{shard}: made with {field} {theirs.get(field)!r}, {first[0]} with "
+                                  f"{first[1].get(field)!r}: not one collection")
             yield shard, jsonl, entries
 
 
@@ -359,8 +373,9 @@ def read_records(directories: Directories) -> Iterator[dict]:
 
 
 def read_embeddings(directories: Directories) -> Iterator[tuple[dict, dict[str, np.ndarray]]]:
-    """Every image of one or more finished output directories, in directory, shard and row
-    order: (its metadata line, {output name: float32 [tokens, out_hidden], "grid_thw": int64 [3]}).
+    """Every input of one or more finished output directories, in directory, shard and row
+    order: (its metadata line, {output name: float32 [tokens, out_hidden], "grid_thw": int64 [3]},
+    and for a video "timestamps": float64 [T/2], seconds of each temporal group's first frame).
     Shards are memory-mapped, so a collection of any size is read one image at a time. A
     directory with no finished shard (and no failures.jsonl: a run whose every image failed) is
     refused in one line, not read as an empty collection."""
@@ -377,4 +392,6 @@ def read_embeddings(directories: Directories) -> Iterator[tuple[dict, dict[str, 
             arrays = {name: (bf16_to_f32(v[a:b]) if dt == "BF16" else v[a:b].astype(np.float32))
                       for name, (v, dt) in views.items()}
             arrays["grid_thw"] = np.array(record["grid_thw"], dtype=np.int64)
+            if record.get("kind") == "video":
+                arrays["timestamps"] = np.array(record["timestamps"], dtype=np.float64)
             yield record, arrays

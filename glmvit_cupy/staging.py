@@ -1,4 +1,4 @@
-"""Batches of uint8 canvases in, embeddings out, with the transfers off the engine's path.
+"""Batches of uint8 canvases (and videos' frames) in, embeddings out, with the transfers off the engine's path.
 
 The collection pipeline hands an engine one packed batch at a time (`submit`) and collects
 it later (`Pending.result`), so that batch k+1's upload runs while batch k computes:
@@ -22,6 +22,14 @@ download, which waits for the end of k's forward, and the engine would idle betw
 One staging buffer and one device output buffer suffice (each is read early in, or written
 late in, a forward); the host side has two slots of each so that filling one never waits.
 The NumPy backend has the same interface and does the work in `submit`.
+
+A batch's pixels are a list: an image's canvas [H, W, 3] (grid row (1, h, w): its one frame
+stands for both of a patch's temporal frames, as the image processor repeats it), or a run of
+a video's frames on their canvas [2g, H, W, 3] (grid row (g, h, w): g temporal groups of two
+frames). Each kind is normalised with its own processor's table: the image processor's
+(preprocess.pixel_table) and the video processor's (video.video_pixel_table), whose arithmetic
+differs in the last bits. The stager of a run that takes videos is made with the video
+settings, and holds room for two frames a patch.
 """
 
 from __future__ import annotations
@@ -32,9 +40,10 @@ from typing import Sequence
 import numpy as np
 
 from .bf16 import f32_to_bf16_bits
-from .errors import GlmVitError
+from .errors import GlmVitError, InternalError
 from .layout import merged_offsets
 from .preprocess import ProcessorConfig, patchify, pixel_table
+from .video import VideoConfig, patchify_frames, video_pixel_table
 
 DTYPES = {"bfloat16": (np.uint16, "BF16"), "float16": (np.float16, "F16"), "float32": (np.float32, "F32")}
 DEFAULT_DTYPE = "bfloat16"  # of every output the package makes: shards, the library, Ray (what the LM consumes)
@@ -90,18 +99,30 @@ class Pending:
         return self._arrays
 
 
+def _no_video(pixels: np.ndarray) -> None:
+    if pixels.ndim == 4:
+        raise InternalError("a video's frames reached a stager made without video settings")
+
+
 class NumpyStager:
-    """The NumPy backend's side of the interface: patchify with the same table, forward, cast."""
+    """The NumPy backend's side of the interface: patchify with the same tables, forward, cast."""
 
     depth = 2  # batches a stream keeps submitted (the CUDA stager's; here submit does the work)
     engines = 1
 
-    def __init__(self, tower, processor: ProcessorConfig) -> None:
-        self.tower, self.processor = tower, processor
+    def __init__(self, tower, processor: ProcessorConfig, video: VideoConfig | None = None) -> None:
+        self.tower, self.processor, self.video = tower, processor, video
+
+    def _pixel_values(self, pixels: np.ndarray) -> np.ndarray:
+        if pixels.ndim == 3:
+            return patchify(pixels, self.processor)
+        if self.video is None:
+            _no_video(pixels)
+        return patchify_frames(pixels, self.video)
 
     def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
                dtype: str) -> Pending:
-        pixels = np.concatenate([patchify(c, self.processor) for c in canvases])
+        pixels = np.concatenate([self._pixel_values(c) for c in canvases])
         last_hidden, pooler = self.tower.forward(pixels, grid_thw)
         produced = {"pooler_output": pooler, "last_hidden_state": last_hidden}
         arrays = {name: host_cast(produced[name], dtype) for name in outputs}
@@ -117,22 +138,25 @@ class CupyStager:
     depth = 2  # batches a stream keeps submitted: k + 1 uploads while k computes (two slots)
     engines = 1
 
-    def __init__(self, tower, processor: ProcessorConfig) -> None:
+    def __init__(self, tower, processor: ProcessorConfig, video: VideoConfig | None = None) -> None:
         import cupy
 
-        self.cupy, self.tower = cupy, tower
+        self.cupy, self.tower, self.video = cupy, tower, video
         geo, p_max = tower.geo, tower.p_max
         self.m_max, self.width = p_max // geo.merge_unit, geo.out_hidden_size
         self.patch, self.temporal = processor.patch_size, processor.temporal_patch_size
-        canvas_bytes = p_max * 3 * self.patch ** 2  # every canvas pixel belongs to one patch
+        canvas_bytes = pixel_bytes(p_max, processor, video)
         # staging: canvases | images [n, 4] | positions [P, 2] | work list [tiles, 4] | QKV map
+        # (a table entry is an image or a video's temporal group: each is at least one merged token)
         self.capacity = (_up(canvas_bytes) + _up(16 * self.m_max) + _up(8 * p_max)
                          + _up(16 * tower.plan.max_tiles) + _ALIGN)
         with tower.current():
             self.up_stream = cupy.cuda.Stream(non_blocking=True)
             self.down_stream = cupy.cuda.Stream(non_blocking=True)
             self.staging = cupy.empty(self.capacity, dtype=cupy.uint8)
-            self.table = cupy.asarray(pixel_table(processor))
+            # patchify.cu's tables: [0] images', [1] video groups' (the images' again where there are none)
+            self.table = cupy.asarray(np.stack([pixel_table(processor),
+                                                pixel_table(processor) if video is None else video_pixel_table(video)]))
             self.pinned_in = [self._pinned(self.capacity) for _ in range(2)]
             self.device_finite = cupy.empty(self.m_max, dtype=cupy.bool_)
             self.pinned_finite = [self._pinned(self.m_max).view(np.bool_) for _ in range(2)]
@@ -181,14 +205,25 @@ class CupyStager:
         self._output_buffers(slot, outputs, dtype)
 
         # Host: pack the slot (canvases back to back, then the index slab's tables if it needs them).
+        # patchify.cu's entries: an image, or a video's temporal group (its frame stride in bytes).
         buf = self.pinned_in[slot]
-        images = np.empty((len(canvases), 4), dtype=np.int32)
+        entries = []
         cursor, row = 0, 0
-        for i, c in enumerate(canvases):
-            images[i] = (row, cursor, c.shape[1] // self.patch, 0)
+        for c in canvases:
+            per_frame = (c.shape[-3] // self.patch) * (c.shape[-2] // self.patch)
+            if c.ndim == 3:
+                entries.append((row, cursor, c.shape[1] // self.patch, 0))
+                row += per_frame
+            else:
+                if self.video is None:
+                    _no_video(c)
+                stride = c[0].size
+                for g in range(len(c) // self.temporal):
+                    entries.append((row, cursor + g * self.temporal * stride, c.shape[2] // self.patch, stride))
+                    row += per_frame
             buf[cursor:cursor + c.size] = c.reshape(-1)
             cursor += c.size
-            row += (c.shape[0] // self.patch) * (c.shape[1] // self.patch)
+        images = np.array(entries, dtype=np.int32)
         if row != p:  # canvases not on the patch grid would misplace every row after them
             raise GlmVitError(f"the batch's canvases hold {row} patches, its grid_thw {p}")
         placed = []  # (offset in staging, bytes, device destination or None for the image table)
@@ -211,7 +246,7 @@ class CupyStager:
         start = stream.record()
         with stream:
             img_at = placed[0][0]
-            tower.k.patchify_u8(self.staging, self.staging[img_at:].view(cupy.int32), len(canvases), self.table,
+            tower.k.patchify_u8(self.staging, self.staging[img_at:].view(cupy.int32), len(images), self.table,
                                 tower.pixels(p), self.patch, self.temporal)
             for offset, nbytes, destination in placed[1:]:
                 destination.data.copy_from_device_async(self.staging.data + offset, nbytes, stream)
@@ -262,7 +297,14 @@ class CupyStager:
             dst.data.copy_from_device_async(src.data, src.nbytes, stream)
 
 
-def make_stager(vit, processor: ProcessorConfig):
-    """The stager for a GlmVit's backend."""
+def pixel_bytes(p_max: int, processor: ProcessorConfig, video: VideoConfig | None) -> int:
+    """Bytes of uint8 pixels one batch of p_max patches may bring: 3 x patch^2 a patch (every
+    canvas pixel belongs to one patch), times the temporal frames where videos come."""
+    return p_max * 3 * processor.patch_size ** 2 * (1 if video is None else processor.temporal_patch_size)
+
+
+def make_stager(vit, processor: ProcessorConfig, video: VideoConfig | None = None):
+    """The stager for a GlmVit's backend; `video`: the video processor's settings, where the
+    batches may hold videos' frames."""
     cls = CupyStager if vit.backend == "cupy" else NumpyStager
-    return cls(vit.tower, processor)
+    return cls(vit.tower, processor, video)

@@ -15,14 +15,19 @@ PyAV is the optional `[video]` extra, imported here and only when a video is ope
 - `sample_frames`: the processor's sampler, from the header's frame count and rate (the first
   frame at or after each 1/fps boundary up to int(duration), evenly spaced indices when that
   gives too few or too many, duplicates dropped, an odd count padded with the last frame).
-- `open_video` decodes a file, bytes or file-like and keeps only the sampled frames, each scaled
-  as it is decoded; `video_frames` takes frames the caller decoded, with their timestamps.
-  Both give a `VideoFrames`: one canvas size for the whole video (`smart_resize` over all its
-  frames), the content scaled down (or up) with `resize_uint8` only when over (or under) the
-  budget, zero-padded at the bottom and right on raw pixels.
-- `VideoFrames.pixel_values(first, stop)` patchifies temporal groups [first, stop): pairs of
-  frames, each patch laid out (C, T, 14, 14), block-major, so a long video is embedded a few
-  groups at a time without its whole float32 pixel_values in memory.
+- `VideoReader` opens a file, bytes or file-like, plans the sampling and the canvas from the
+  stream header, and decodes only up to the last sampled frame, yielding each sampled frame
+  scaled as it is decoded (a collection's decode worker streams them to the main process one
+  at a time: clips.py). `open_video` keeps them; `video_frames` takes frames the caller
+  decoded, with their timestamps. Both give a `VideoFrames`: one canvas size for the whole
+  video (`smart_resize` over all its frames), the content scaled down (or up) with
+  `resize_uint8` only when over (or under) the budget, zero-padded at the bottom and right on
+  raw pixels (`on_canvas`).
+- `patchify_frames` turns frames on their canvas into pixel_values: pairs of frames, each patch
+  laid out (C, T, 14, 14), block-major. `VideoFrames.pixel_values(first, stop)` does it for
+  temporal groups [first, stop), so a long video is embedded a few groups at a time without
+  its whole float32 pixel_values in memory; the collection pipeline's NumPy stager calls it
+  on the groups of a batch.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ import dataclasses
 import functools
 import io
 import math
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence, Union
+from typing import Any, BinaryIO, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -42,6 +49,7 @@ from .geometry import MIN_IMAGE_TOKENS, REAL, GlmVitGeometry
 from .preprocess import (CLIP_MEAN, CLIP_STD, PREPROCESSOR_FILE, check_shared_fields, content_size, read_json_object,
                          settings_from, smart_resize)
 from .preprocess import _field_value as image_field_value
+from .workers import usable_cpus
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".mov", ".avi")
 PROCESSOR_FILE = "processor_config.json"  # its "video_processor" object, when it has one
@@ -189,7 +197,14 @@ def sample_frames(total_frames: int, fps: float, duration: float, config: VideoC
 # torchvision's uint8 bicubic antialias resize (ATen's separable uint8 kernels, a port of
 # Pillow-SIMD's): weights computed in double, rounded to int16 at the largest precision that
 # keeps them in int16, integer sums, horizontal pass then vertical, each rounded and clipped to
-# uint8. Reproduced integer for integer.
+# uint8. Reproduced integer for integer: the integer sums are computed as float64 matrix
+# products of bands of the weights (every product and partial sum is an integer below 2^31, so
+# float64 holds each exactly, in any order), which BLAS does ~7x faster than a loop over taps.
+
+RESIZE_BAND = 64  # output pixels a band: its weights are a dense [inputs it reads, 64] block
+# Kept frames converted to RGB and scaled at once, beside the decode (swscale and NumPy leave the GIL).
+SCALE_THREADS = min(8, usable_cpus())
+
 
 def _cubic(x: float) -> float:
     """ATen's antialias bicubic filter (a = -0.5, as PIL), its expressions in its order."""
@@ -231,17 +246,42 @@ def _int16_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray,
     return index, fixed, precision
 
 
+@functools.lru_cache(maxsize=64)
+def _bands(in_size: int, out_size: int) -> tuple[list[tuple[int, int, int, int, np.ndarray]], int]:
+    """([(first output, stop, first input, stop, float64 weights [inputs, outputs])], precision
+    bits) for one axis: the int16 weights as dense blocks of RESIZE_BAND outputs each."""
+    index, fixed, precision = _int16_weights(in_size, out_size)
+    bands = []
+    for o0 in range(0, out_size, RESIZE_BAND):
+        o1 = min(o0 + RESIZE_BAND, out_size)
+        taps = index[o0:o1]
+        i0, i1 = int(taps.min()), int(taps.max()) + 1
+        weights = np.zeros((i1 - i0, o1 - o0))
+        np.add.at(weights, (taps - i0, np.arange(o1 - o0)[:, None]), fixed[o0:o1])  # taps past the end weigh 0
+        bands.append((o0, o1, i0, i1, weights))
+    return bands, precision
+
+
 def _resample(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
     """One pass of the uint8 resize along `axis` (0: rows, 1: columns) of [H, W, C] uint8."""
-    index, weights, precision = _int16_weights(image.shape[axis], out_size)
-    shape = list(image.shape)
-    shape[axis] = out_size
-    acc = np.full(shape, 1 << (precision - 1), dtype=np.int32)
-    for tap in range(index.shape[1]):
-        taken = np.take(image, index[:, tap], axis=axis).astype(np.int32)
-        w = weights[:, tap][:, None, None] if axis == 0 else weights[:, tap][None, :, None]
-        acc += taken * w
-    return np.clip(acc >> precision, 0, 255).astype(np.uint8)
+    bands, precision = _bands(image.shape[axis], out_size)
+    height, width, channels = image.shape
+    if axis == 1:  # rows of one channel's values: [H x C, W] @ weights
+        src = image.transpose(0, 2, 1).reshape(height * channels, width).astype(np.float64)
+        acc = np.empty((height * channels, out_size))
+        for o0, o1, i0, i1, weights in bands:
+            np.matmul(src[:, i0:i1], weights, out=acc[:, o0:o1])
+        acc = acc.reshape(height, channels, out_size).transpose(0, 2, 1)
+    else:  # weights^T @ [H, W x C]
+        src = image.reshape(height, width * channels).astype(np.float64)
+        acc = np.empty((out_size, width * channels))
+        for o0, o1, i0, i1, weights in bands:
+            np.matmul(weights.T, src[i0:i1], out=acc[o0:o1])
+        acc = acc.reshape(out_size, width, channels)
+    acc += 1 << (precision - 1)  # then >> precision: a floor, exact on these integers
+    acc *= 1.0 / (1 << precision)
+    np.floor(acc, out=acc)
+    return np.clip(acc, 0, 255).astype(np.uint8)
 
 
 def resize_uint8(image: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -314,18 +354,33 @@ class VideoFrames:
     def pixel_values(self, first: int = 0, stop: int | None = None) -> np.ndarray:
         """float32 [(stop - first) x H/14 x W/14, C x T x 14 x 14] for temporal groups [first, stop)."""
         stop = self.groups if stop is None else stop
-        temporal, patch, merge = self.config.temporal_patch_size, self.config.patch_size, self.config.merge_size
-        height, width = self.canvas
+        temporal = self.config.temporal_patch_size
         last = len(self.frames) - 1
-        canvases = np.zeros(((stop - first) * temporal, height, width, 3), dtype=np.uint8)
+        canvases = np.zeros(((stop - first) * temporal, *self.canvas, 3), dtype=np.uint8)
         for k in range(len(canvases)):
             frame = self.frames[min(first * temporal + k, last)]  # the odd count's pad repeats the last
             canvases[k, :frame.shape[0], :frame.shape[1]] = frame
-        values = video_pixel_table(self.config)[np.arange(3), canvases]  # [frames, H, W, C] float32
-        gh, gw = height // patch, width // patch
-        blocks = values.reshape(stop - first, temporal, gh // merge, merge, patch, gw // merge, merge, patch, 3)
-        blocks = blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # (t, h/m, w/m, m, m, C, T, p, p)
-        return np.ascontiguousarray(blocks).reshape((stop - first) * gh * gw, 3 * temporal * patch * patch)
+        return patchify_frames(canvases, self.config)
+
+
+def patchify_frames(canvases: np.ndarray, config: VideoConfig = VideoConfig()) -> np.ndarray:
+    """uint8 [T, H, W, 3] frames on their canvas, T a multiple of temporal_patch_size -> float32
+    pixel_values [(T / tp) x H/14 x W/14, C x tp x 14 x 14]: temporal groups of tp consecutive
+    frames, each group's patches block-major, as the video processor lays them out."""
+    temporal, patch, merge = config.temporal_patch_size, config.patch_size, config.merge_size
+    frames, height, width, _ = canvases.shape
+    groups, gh, gw = frames // temporal, height // patch, width // patch
+    values = video_pixel_table(config)[np.arange(3), canvases]  # [frames, H, W, C] float32
+    blocks = values.reshape(groups, temporal, gh // merge, merge, patch, gw // merge, merge, patch, 3)
+    blocks = blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # (t, h/m, w/m, m, m, C, T, p, p)
+    return np.ascontiguousarray(blocks).reshape(groups * gh * gw, 3 * temporal * patch * patch)
+
+
+def on_canvas(frame: np.ndarray, canvas: tuple[int, int]) -> np.ndarray:
+    """A scaled frame zero-padded at the bottom and right onto its canvas: uint8 [H, W, 3]."""
+    out = np.zeros((*canvas, 3), dtype=np.uint8)
+    out[:frame.shape[0], :frame.shape[1]] = frame
+    return out
 
 
 def _plan(name: str, frames: int, height: int, width: int, config: VideoConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -398,76 +453,132 @@ def open_video(source: VideoSource, config: VideoConfig = VideoConfig(), name: s
     """Decode a video file (a path, its bytes, or a binary file-like) with PyAV as transformers'
     load_video(backend="pyav") does, keep the frames the processor samples (scaled as they are
     decoded, so memory holds only those), and return them on their canvas."""
-    av = _import_av()
-    name = name or _describe(source)
-    if isinstance(source, (str, Path)) and not Path(source).is_file():
-        raise GlmVitError(f"{name}: no such video file")
-    opened = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray)) else \
-        str(source) if isinstance(source, Path) else source
-    try:
-        container = av.open(opened)
-    except (av.FFmpegError, OSError, ValueError) as exc:
-        raise GlmVitError(f"{name}: not a video PyAV can open (a truncated file or another format?): {exc}") from None
-    with container:
-        return _decode(av, container, name, config)
+    with VideoReader(source, config, name) as reader:
+        return VideoFrames(reader.name, list(reader.frames()), reader.canvas, reader.timestamps, config,
+                           fps=reader.fps, frame_count=reader.frame_count)
 
 
-def _decode(av: Any, container: Any, name: str, config: VideoConfig) -> VideoFrames:
-    if not container.streams.video:
-        raise GlmVitError(f"{name}: has no video stream")
-    stream = container.streams.video[0]
-    if stream.codec_context is None or not stream.codec_context.codec.name:
-        raise GlmVitError(f"{name}: its video codec has no decoder in PyAV's FFmpeg")
-    width, height = stream.codec_context.width, stream.codec_context.height
-    if width == 0 or height == 0:
-        raise GlmVitError(f"{name}: the video stream is {width}x{height} pixels")
-    rate: Fraction | None = stream.average_rate
-    if not rate:
-        raise GlmVitError(f"{name}: the container gives no frame rate for its video stream")
-    total = stream.frames
-    if total == 0:
-        # Matroska/WebM headers carry no frame count: count the stream's packets (demuxing, no decoding)
-        total = _count_packets(av, container, stream, name)
-    fps, duration = float(rate), float(total / rate)  # as load_video's VideoMetadata has them
-    if config.do_sample_frames:
-        indices = sample_frames(total, fps, duration, config)
-        if not indices:
-            raise GlmVitError(f"{name}: {duration:.2f} s at {fps:g} fps is too short to sample a frame at "
-                              f"{config.fps:g} fps")
-    else:
-        indices = list(range(total))
-    canvas, content = _plan(name, len(indices), height, width, config)
-    wanted = set(indices)
-    kept: dict[int, np.ndarray] = {}
-    index = -1
-    try:
-        for index, frame in enumerate(container.decode(stream)):
-            if index in wanted:
-                rgb = frame.to_ndarray(format="rgb24")
-                if rgb.shape[:2] != (height, width):
-                    raise GlmVitError(f"{name}: frame {index} is {rgb.shape[1]}x{rgb.shape[0]}, the stream "
-                                      f"header says {width}x{height}")
-                kept[index] = _scaled(rgb, content)
-            if index >= indices[-1]:
-                break
-    except av.FFmpegError as exc:
-        raise GlmVitError(f"{name}: cannot decode frame {index + 1} (a truncated or corrupt file?): {exc}") from None
-    if len(kept) != len(wanted):
-        raise GlmVitError(f"{name}: truncated: the header counts {total} frames, only {index + 1} decode "
-                          f"(frame {max(wanted - set(kept))} was to be sampled)")
-    return VideoFrames(name, [kept[i] for i in indices], canvas, [i / fps for i in indices], config,
-                       fps=fps, frame_count=total)
+class VideoReader:
+    """A video opened with PyAV, its sampling planned from the stream header as the processor
+    plans it: `indices` (the frames kept, an odd count's pad included), `canvas` and `content`
+    (the sizes of every frame on and within it), `fps` and `frame_count` (the header's),
+    `timestamps` (seconds of each kept frame). `frames()` then decodes up to the last kept frame
+    and yields each kept one scaled as it is decoded, so memory holds one frame at a time. Every
+    fault is a GlmVitError naming the video. A context manager: it closes the container."""
 
+    def __init__(self, source: VideoSource, config: VideoConfig = VideoConfig(), name: str | None = None) -> None:
+        self.av = av = _import_av()
+        self.config = config
+        self.name = name or _describe(source)
+        if isinstance(source, (str, Path)) and not Path(source).is_file():
+            raise GlmVitError(f"{self.name}: no such video file")
+        opened = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray)) else \
+            str(source) if isinstance(source, Path) else source
+        try:
+            self.container = av.open(opened)
+        except (av.FFmpegError, OSError, ValueError) as exc:
+            raise GlmVitError(f"{self.name}: not a video PyAV can open (a truncated file or another format?): "
+                              f"{exc}") from None
+        try:
+            self._plan()
+        except BaseException:
+            self.container.close()
+            raise
 
-def _count_packets(av: Any, container: Any, stream: Any, name: str) -> int:
-    try:
-        count = sum(1 for packet in container.demux(stream) if packet.size)
-        if count == 0:
-            raise GlmVitError(f"{name}: the video stream has no frames")
-        container.seek(0)  # back to the start, for decoding
-    except av.FFmpegError as exc:
-        raise GlmVitError(f"{name}: cannot read the video stream: {exc}") from None
-    return count
+    def _plan(self) -> None:
+        container, name, config = self.container, self.name, self.config
+        if not container.streams.video:
+            raise GlmVitError(f"{name}: has no video stream")
+        stream = self.stream = container.streams.video[0]
+        # FFmpeg's frame and slice threads, one a core: a long video's decode is not one core's
+        # work. A valid stream gives the same pictures as on one thread (FFmpeg's frame threads are
+        # bit-exact); a corrupt one may be concealed otherwise before it fails, and a truncated
+        # one ends without an error (the count of frames decoded says so).
+        stream.thread_type = "AUTO"
+        if stream.codec_context is None or not stream.codec_context.codec.name:
+            raise GlmVitError(f"{name}: its video codec has no decoder in PyAV's FFmpeg")
+        self.width, self.height = stream.codec_context.width, stream.codec_context.height
+        if self.width == 0 or self.height == 0:
+            raise GlmVitError(f"{name}: the video stream is {self.width}x{self.height} pixels")
+        rate: Fraction | None = stream.average_rate
+        if not rate:
+            raise GlmVitError(f"{name}: the container gives no frame rate for its video stream")
+        total = stream.frames
+        if total == 0:
+            # Matroska/WebM headers carry no frame count: count the stream's packets (demuxing, no decoding)
+            total = self._count_packets()
+        self.frame_count = total
+        self.fps, duration = float(rate), float(total / rate)  # as load_video's VideoMetadata has them
+        if config.do_sample_frames:
+            self.indices = sample_frames(total, self.fps, duration, config)
+            if not self.indices:
+                raise GlmVitError(f"{name}: {duration:.2f} s at {self.fps:g} fps is too short to sample a frame at "
+                                  f"{config.fps:g} fps")
+        else:
+            self.indices = list(range(total))
+        self.canvas, self.content = _plan(name, len(self.indices), self.height, self.width, config)
+        self.timestamps = [i / self.fps for i in self.indices]
+
+    def _count_packets(self) -> int:
+        try:
+            count = sum(1 for packet in self.container.demux(self.stream) if packet.size)
+            if count == 0:
+                raise GlmVitError(f"{self.name}: the video stream has no frames")
+            self.container.seek(0)  # back to the start, for decoding
+        except self.av.FFmpegError as exc:
+            raise GlmVitError(f"{self.name}: cannot read the video stream: {exc}") from None
+        return count
+
+    def frames(self) -> Iterator[np.ndarray]:
+        """Each kept frame in order, uint8 [content h, content w, 3] (a repeated index yields the
+        same array again), decoding no further than the last one. FFmpeg decodes on its own
+        threads (frame and slice threads: the same pictures as one thread); the RGB conversion
+        and the scaling of kept frames run on SCALE_THREADS threads, at most SCALE_THREADS + 1
+        frames ahead of the one yielded."""
+        indices, name = self.indices, self.name
+        unique = sorted(set(indices))  # the kept frames in decoding order (indices ascend)
+        k = u = 0  # indices yielded, unique frames submitted
+        index = -1
+        pending: deque[tuple[int, Future]] = deque()
+        with ThreadPoolExecutor(SCALE_THREADS, thread_name_prefix="glmvit-video-scale") as pool:
+            try:
+                for index, frame in enumerate(self.container.decode(self.stream)):
+                    if index == unique[u]:
+                        pending.append((index, pool.submit(self._rgb, frame, index)))
+                        u += 1
+                    while pending and (len(pending) > SCALE_THREADS or u == len(unique)):
+                        done, future = pending.popleft()
+                        scaled = future.result()
+                        while k < len(indices) and indices[k] == done:
+                            yield scaled
+                            k += 1
+                    if u == len(unique):
+                        return
+            except self.av.FFmpegError as exc:
+                raise GlmVitError(f"{name}: cannot decode frame {index + 1} (a truncated or corrupt file?): {exc}") \
+                    from None
+            finally:
+                for _, future in pending:
+                    future.cancel()
+        raise GlmVitError(f"{name}: truncated: the header counts {self.frame_count} frames, only {index + 1} "
+                          f"decode (frame {unique[u]} was to be sampled)")
+
+    def _rgb(self, frame: Any, index: int) -> np.ndarray:
+        """A decoded frame as RGB, scaled to the content size."""
+        rgb = frame.to_ndarray(format="rgb24")
+        if rgb.shape[:2] != (self.height, self.width):
+            raise GlmVitError(f"{self.name}: frame {index} is {rgb.shape[1]}x{rgb.shape[0]}, the stream header "
+                              f"says {self.width}x{self.height}")
+        return _scaled(rgb, self.content)
+
+    def close(self) -> None:
+        self.container.close()
+
+    def __enter__(self) -> VideoReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def preprocess_video(video: VideoSource | tuple, config: VideoConfig = VideoConfig()) -> tuple[np.ndarray, np.ndarray, list[float]]:

@@ -108,7 +108,8 @@ def test_an_image_over_the_budget_is_that_images_failure(tmp_path, unresized, im
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "encoded 2, skipped 0, failed 1" in proc.stderr
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
-    assert failures == [{"path": str(images / "b.png"), "error": refusal(str(images / "b.png"), 400, 64)}]
+    assert failures == [{"path": str(images / "b.png"), "kind": "image",
+                         "error": refusal(str(images / "b.png"), 400, 64)}]
     assert [r["path"] for r in records(out)] == [str(images / "a.png"), str(images / "c.png")]
     alone = GlmVit.from_pretrained(unresized, backend="numpy")
     for record, arrays in read_embeddings(out):

@@ -168,7 +168,8 @@ def test_info_reads_headers_only(tiny_ckpt):
 
 # Each command's --help: the opening of its description and one of its examples.
 HELP = {
-    "encode": ("Encode images (INPUTS: files, directories, quoted glob patterns, .tar shards) into embeddings.",
+    "encode": ("Encode images and videos (INPUTS: files, directories, quoted glob patterns, .tar shards; videos by "
+               "their extension, .mp4 .mkv .webm .mov .avi) into embeddings.",
                "glmvit-cupy encode photo.jpg --model ckpt --out emb.npy"),
     "info": ("Show the tower bound from a checkpoint (headers only; no tensor data is read)",
              "glmvit-cupy info --model ckpt"),

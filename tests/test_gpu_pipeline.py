@@ -44,8 +44,8 @@ def test_device_patchify_is_bit_identical_to_the_cpu_path(vit, canvases):
     starts = np.cumsum([0] + [c.size for c in canvases])
     images = np.array([(rows[i], starts[i], c.shape[1] // 14, 0) for i, c in enumerate(canvases)], dtype=np.int32)
     got = cupy.full(pixels.shape, 0xFFFF, dtype=cupy.uint16)
-    k.patchify_u8(cupy.asarray(flat), cupy.asarray(images), len(canvases), cupy.asarray(pixel_table(processor)),
-                  got, 14, 2)
+    tables = np.stack([pixel_table(processor), np.full((3, 256), np.nan, np.float32)])  # images read only [0]
+    k.patchify_u8(cupy.asarray(flat), cupy.asarray(images), len(canvases), cupy.asarray(tables), got, 14, 2)
     assert np.array_equal(got.get(), want.get())
 
 
@@ -211,4 +211,5 @@ def test_an_image_over_the_gpu_budget_is_that_images_failure(tmp_path, engines):
                            "--quiet", *engines], capture_output=True, text=True)
     assert proc.returncode == 1 and "encoded 2, skipped 0, failed 1" in proc.stderr, proc.stderr
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
-    assert failures == [{"path": str(images / "b.png"), "error": refusal(str(images / "b.png"), 400, 64)}]
+    assert failures == [{"path": str(images / "b.png"), "kind": "image",
+                         "error": refusal(str(images / "b.png"), 400, 64)}]

@@ -136,6 +136,9 @@ def test_info_and_encode_use_the_file_and_the_options(tmp_path):
     assert rows["min_image_tokens"] == "30  [preprocessor_config.json]"
     assert rows["max_image_tokens"] == "36  [option]" and rows["resample"] == "0 (nearest)  [preprocessor_config.json]"
     assert rows["image_std"].endswith("[default]")
+    # the image processor's file applies to video too, whose resize is only ever bicubic: said, not fatal
+    assert rows["refused"] == (f"{ckpt / PREPROCESSOR_FILE}: video processor: resample 0: only bicubic (3), the "
+                               "processor's default, is reproduced for video (images are unaffected; videos are refused)")
     Image.fromarray(photo_like(200, 100, 4)).save(tmp_path / "a.png")
     out = tmp_path / "a.npz"
     proc = run("encode", str(tmp_path / "a.png"), "--model", str(ckpt), "--out", str(out), "--backend", "numpy",

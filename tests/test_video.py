@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError
 from glmvit_cupy.synthetic import photo_like, write_checkpoint
@@ -48,6 +49,17 @@ def write_clip(path: Path, frames: int, rate, height: int, width: int, codec: st
             for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def write_audio_only(path: Path) -> Path:
+    """A Matroska file of 0.1 s of silence and no video stream."""
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
             out.mux(packet)
     return path
 
@@ -264,18 +276,18 @@ def test_bad_videos_are_one_line_naming_the_file(tmp_path):
     refused(tmp_path / "cut.mp4", r"not a video PyAV can open \(a truncated file")
     faststart = write_clip(tmp_path / "fast.mp4", 60, 30, 64, 80, "libx264", options={"movflags": "faststart"})
     (tmp_path / "fast_cut.mp4").write_bytes(faststart.read_bytes()[:faststart.stat().st_size * 6 // 10])
-    refused(tmp_path / "fast_cut.mp4", r"cannot decode frame \d+ \(a truncated or corrupt file")
+    refused(tmp_path / "fast_cut.mp4", r"truncated: the header counts 60 frames, only 7 decode \(frame 15 was to be "
+                                       r"sampled\)")  # on frame threads the cut ends the decode without an error
+    mid = bytearray(write_clip(tmp_path / "mid.mp4", 90, 30, 120, 160, "libx264", options={"movflags": "faststart"})
+                    .read_bytes())
+    mid[len(mid) // 2:len(mid) // 2 + 200] = np.random.default_rng(1).integers(0, 256, 200, dtype=np.uint8).tobytes()
+    (tmp_path / "corrupt.mp4").write_bytes(bytes(mid))  # 200 bytes of noise half way through the frames
+    refused(tmp_path / "corrupt.mp4", r"cannot decode frame \d+ \(a truncated or corrupt file")
     mkv = write_clip(tmp_path / "full.mkv", 60, 30, 64, 80, "libx264")
     data = mkv.read_bytes()
     (tmp_path / "no_frames.mkv").write_bytes(data[:data.find(b"\x1f\x43\xb6\x75") + 8])  # up to the first cluster
     refused(tmp_path / "no_frames.mkv", "the video stream has no frames")
-    with av.open(str(tmp_path / "audio.mkv"), "w") as out:
-        stream = out.add_stream("pcm_s16le", rate=8000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
-        frame.sample_rate = 8000
-        for packet in [*stream.encode(frame), *stream.encode()]:
-            out.mux(packet)
-    refused(tmp_path / "audio.mkv", "has no video stream")
+    refused(write_audio_only(tmp_path / "audio.mkv"), "has no video stream")
     one = write_clip(tmp_path / "one.mp4", 1, 30, 64, 80, "libx264")  # its one sample made 0 s long
     refused(_patched(one, tmp_path / "no_rate.mp4", lambda b: b.__setitem__(slice(b.find(b"stts") + 16, b.find(b"stts") + 20), bytes(4))),
             "the container gives no frame rate")
@@ -334,12 +346,41 @@ def test_cli_encodes_videos_into_an_npz(tmp_path, checkpoints, clips):
     assert saved["offsets"].tolist() == [0, len(outs[0].pooler_output), 122]
     assert np.array_equal(saved["timestamps"], np.concatenate([o.timestamps for o in outs]))
     assert saved["frames"].tolist() == [4, 6] and saved["fps"].tolist() == [60.0, 30000 / 1001]
+    one = tmp_path / "dir"  # a directory (or a tar shard) of videos: the same, found by the expansion
+    one.mkdir()
+    shutil.copy(clips["mov_60"], one / "clip.mov")
+    run = cli(one, "--out", tmp_path / "dir.npz")
+    assert run.returncode == 0, run.stderr
+    assert np.array_equal(np.load(tmp_path / "dir.npz")["pooler_output"], outs[0].pooler_output)
+    image = tmp_path / "x.png"
+    Image.fromarray(photo_like(30, 40, seed=1)).save(image)
     for args, words in (((clips["mov_60"], "--out", tmp_path / "emb.npy"), "videos go into a float32 .npz"),
-                        ((clips["mov_60"], "--out-dir", tmp_path / "embs"), "no --out-dir"),
-                        ((tmp_path / "missing.mp4", "--out", tmp_path / "x.npz"), "missing.mp4: no such video file")):
+                        ((clips["mov_60"], image, "--out", tmp_path / "x.npz"), "--out takes images or videos, not both"),
+                        ((tmp_path / "missing.mp4", "--out", tmp_path / "x.npz"), "missing.mp4: no such file")):
         run = cli(*args)
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 1 and len(lines) == 1 and words in lines[0], run.stderr
+
+
+def test_info_shows_the_video_processor_and_its_sources(checkpoints):
+    """`glmvit-cupy info` lists the video processor's settings as it does the image processor's,
+    each with where it came from (the budget options set both, as encode does)."""
+    run = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "info", "--model", str(checkpoints["fps3"]),
+                          "--min-image-tokens", "8"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines()]
+    video = next(i for i, row in enumerate(rows) if row[:2] == ["video", "processor"])
+    assert rows[video][2:] == [str(checkpoints["fps3"] / "processor_config.json"), "(its", "video_processor)"]
+    settings = {row[0]: row[1:] for row in rows[video + 1:]}
+    assert settings["fps"] == ["3.0", "[processor_config.json", "video_processor]"]
+    assert settings["max_frames"] == ["9", "[processor_config.json", "video_processor]"]
+    assert settings["max_image_tokens"] == ["240000", "[default]"]
+    assert settings["min_image_tokens"] == ["8", "[option]"]
+    assert len(settings) == len(VideoConfig.__dataclass_fields__)
+    plain = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "info", "--model", str(checkpoints["plain"])],
+                           capture_output=True, text=True)
+    assert ("video processor no processor_config.json, video_preprocessor_config.json or preprocessor_config.json: "
+            "transformers' defaults") in " ".join(plain.stdout.split())
 
 
 @pytest.mark.parametrize("settings, message", [
