@@ -86,7 +86,7 @@ SAMPLE_S = 0.1
 # Runs the CLI exactly as the `glmvit-cupy` entry point does (cli:main), then writes its own
 # peak RSS (kept by the kernel) to the file named by argv[1]; its exit status is the CLI's.
 CLI_WRAPPER = """import resource, sys
-from cli import main
+from glmvit_cupy.cli import main
 report, sys.argv = sys.argv[1], ["glmvit-cupy"] + sys.argv[2:]
 try:
     main()
@@ -351,14 +351,27 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def benchmark_main(description: str, run: Callable, results: tuple[str, str],
-                   more: Callable[[argparse.ArgumentParser], None] = lambda ap: None) -> None:
-    """The command line of a benchmark of this collection through the CLI (this one, devices.py):
-    `run(args, collection, out)`; `results`: its JSON record's name on cupy and on numpy."""
+def check_same_work(ours: dict, fwd: dict) -> None:
+    """The end-to-end run and the forward-only batches computed the same tokens (or the ratio means nothing)."""
+    if fwd["tokens"] != ours["tokens"]:
+        raise GlmVitError(f"the shards hold {ours['tokens']} tokens, the forward-only batches {fwd['tokens']}: "
+                          "not the same work")
+
+
+def free_device_memory(backend: str) -> None:
+    """CuPy's pool given back, so that the next measurement (transformers) has the GPU's memory."""
+    if backend == "cupy":
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def collection_options(description: str, results: tuple[str, str]) -> argparse.ArgumentParser:
+    """The options every benchmark of a collection through the CLI has (this one, devices.py, video.py):
+    --model, --backend, --seed, --collection, --workers, --out (`results`: its JSON record's name on
+    cupy and on numpy)."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     ap.add_argument("--backend", choices=["cupy", "numpy"], default="cupy")
-    ap.add_argument("--images", type=int, default=1000, help="photos in the collection")
     ap.add_argument("--seed", type=int, default=0, help="seed of the collection")
     ap.add_argument("--collection", type=Path, default=None,
                     help="where the collection is built or reused [default: a directory in the temp dir]")
@@ -366,6 +379,15 @@ def benchmark_main(description: str, run: Callable, results: tuple[str, str],
                     help="decode workers of the CLI (and of the untimed preprocessing) [default: cores - 1]")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"JSON record [default: benchmarks/results/{results[0]}, {results[1]} on numpy]")
+    return ap
+
+
+def benchmark_main(description: str, run: Callable, results: tuple[str, str],
+                   more: Callable[[argparse.ArgumentParser], None] = lambda ap: None) -> None:
+    """The command line of a benchmark of this collection through the CLI (this one, devices.py):
+    `run(args, collection, out)`; `results`: its JSON record's name on cupy and on numpy."""
+    ap = collection_options(description, results)
+    ap.add_argument("--images", type=int, default=1000, help="photos in the collection")
     more(ap)
     args = ap.parse_args()
     collection = args.collection or Path(tempfile.gettempdir()) / f"glmvit-e2e-photos-{args.images}-{args.seed}"
@@ -410,14 +432,10 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
                              merge_size=geo.spatial_merge_size)
     fwd, grids = forward_only(vit, files, config, args.workers)
     print(f"forward only: {fwd}", file=sys.stderr, flush=True)
-    if fwd["tokens"] != ours["tokens"]:
-        raise GlmVitError(f"the shards hold {ours['tokens']} tokens, the forward-only batches {fwd['tokens']}: "
-                          "not the same work")
+    check_same_work(ours, fwd)
     p_max = vit.p_max
     del vit
-    if args.backend == "cupy":
-        import cupy
-        cupy.get_default_memory_pool().free_all_blocks()
+    free_device_memory(args.backend)
 
     hf = transformers_rate(args.model, files, geo, "cuda" if args.backend == "cupy" else "cpu", grids)
     print(f"transformers: {hf}", file=sys.stderr, flush=True)

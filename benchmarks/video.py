@@ -54,7 +54,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the code beside this script, and the oracle helpers
 
-from e2e import end_to_end, environment, forward_passes, run_cli, save  # noqa: E402
+from e2e import (check_same_work, collection_options, end_to_end, environment, forward_passes,  # noqa: E402
+                 free_device_memory, run_cli, save)
 from footage import build_clips, long_clip  # noqa: E402
 
 from glmvit_cupy import GlmVit  # noqa: E402
@@ -222,14 +223,10 @@ def run(args: argparse.Namespace) -> None:
     fwd, _ = forward_passes(vit, video_batches(clips, config, vit.p_max, args.workers), len(files))
     del clips
     print(f"forward only: {fwd} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    if fwd["tokens"] != ours["tokens"]:
-        raise GlmVitError(f"the shards hold {ours['tokens']} tokens, the forward-only batches {fwd['tokens']}: "
-                          "not the same work")
+    check_same_work(ours, fwd)
     p_max = vit.p_max
     del vit
-    if backend == "cupy":
-        import cupy
-        cupy.get_default_memory_pool().free_all_blocks()
+    free_device_memory(backend)
 
     picks = sorted({files[int(i)] for i in np.linspace(0, len(files) - 1, min(args.hf_clips, len(files)))})
     hf = transformers_rate(args.model, picks, warmup, "cuda" if backend == "cupy" else "cpu", our_grids)
@@ -250,20 +247,11 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
-    ap.add_argument("--backend", choices=["cupy", "numpy"], default="cupy")
+    ap = collection_options(__doc__, ("h200-video.json", "cpu-video.json"))
     ap.add_argument("--clips", type=int, default=8, help="clips in the collection")
     ap.add_argument("--max-seconds", type=int, default=120, help="the longest a clip may be (at least 10)")
     ap.add_argument("--long-minutes", type=float, default=10.0, help="length of the memory run's 1080p clip")
     ap.add_argument("--hf-clips", type=int, default=3, help="clips transformers runs on, spread over the collection")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the collection")
-    ap.add_argument("--collection", type=Path, default=None,
-                    help="where the clips are made or reused [default: a directory in the temp dir]")
-    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="decode workers of the CLI (and of the untimed preprocessing) [default: cores - 1]")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON record [default: benchmarks/results/h200-video.json, cpu-video.json on numpy]")
     try:
         run(ap.parse_args())
     except GlmVitError as exc:

@@ -33,6 +33,8 @@ The GPU engine
 Collections, processes and serving
   sources     command-line inputs (files, directories, patterns, lists, tar shards) -> sources
   pipeline    the streaming pipeline: decode workers, packing, in-order results, collection runs
+  clips       a video in a collection run: its sampled frames streamed from a decode worker, under a
+              budget of frames decoded ahead
   workers     the processes the package starts: its own entry point, gone when their parent is
   batcher     one image a request, from many threads or coroutines, packed into shared forwards
   staging     batches of uint8 canvases to an engine and back: pinned buffers, a copy stream
@@ -44,6 +46,9 @@ Collections, processes and serving
   serve       the HTTP embedding server, `glmvit-cupy serve` (the optional [serve] extra; imported by nothing here)
   encoder_cache  the server's results by the sha256 of image bytes: LRU by bytes, single flight
   device_base64  base64 on the GPU, for the server's base64 answers
+The command line
+  cli         `glmvit-cupy` (click): encode, serve, info, bench, extract, make-checkpoint (the
+              repository's top-level cli.py runs it from a checkout)
 """
 
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout

@@ -44,7 +44,7 @@ from .checkpoint import TowerLocation, TowerWeights, locate_tower, read_tower
 from .errors import GlmVitError, InternalError
 from .geometry import check_patch_budget, patch_budget
 from .layout import merged_offsets, num_patches
-from .model import KERNELS
+from .model import check_kernels
 from .preprocess import ProcessorConfig, check_processor
 from .pipeline import StreamTurn
 from .staging import DTYPES, Pending, check_dtype, pixel_bytes
@@ -125,7 +125,7 @@ def _attach(path: str, nbytes: int) -> mmap.mmap:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _SlotPlan:
     """Where one engine's DEPTH input and output slots lie in its shared file."""
 
     outputs: tuple[str, ...]
@@ -176,7 +176,7 @@ class _EngineSpec:
     dtype: str
     kernels: str  # model.KERNELS; GLMVIT_CHECK_LAUNCHES reaches the engine in its inherited environment
     video: VideoConfig | None  # the video processor's settings, where the run takes videos
-    layout: _Layout
+    slots: _SlotPlan
     slots_path: str
 
 
@@ -196,17 +196,17 @@ def _engine_main(spec: _EngineSpec, conn: Connection) -> None:
         vit = GlmVit.from_weights(weights, spec.backend, spec.max_pixels, processor=spec.processor,
                                   kernels=spec.kernels)
         stager = make_stager(vit, spec.processor, spec.video)
-        slots = _attach(spec.slots_path, spec.layout.total)
+        slots = _attach(spec.slots_path, spec.slots.total)
     except (GlmVitError, MemoryError) as exc:
         conn.send(("error", str(exc) or type(exc).__name__))
         return
     del weights, arena, tower  # the engine holds its own copy (device or float32): unmap the shared one
     kernels = ("hopper" if vit.tower.k.hopper else "generic") if vit.backend == "cupy" else ""
     conn.send(("ready", vit.backend, kernels, getattr(vit.tower, "check_launches", False)))
-    _serve(stager, slots, spec.layout, spec.dtype, conn)
+    _serve(stager, slots, spec.slots, spec.dtype, conn)
 
 
-def _serve(stager: Any, slots: mmap.mmap, layout: _Layout, dtype: str, conn: Connection) -> None:
+def _serve(stager: Any, slots: mmap.mmap, plan: _SlotPlan, dtype: str, conn: Connection) -> None:
     """Submit each batch as it comes; reply for the oldest once two are in the stager or the pipe
     is empty (so the device always has the next batch queued behind the running one)."""
     pending: list[tuple[int, Pending]] = []
@@ -220,10 +220,10 @@ def _serve(stager: Any, slots: mmap.mmap, layout: _Layout, dtype: str, conn: Con
                 conn.send(("error", str(exc) or type(exc).__name__))
                 return
             m = len(done.finite)
-            for i, name in enumerate(layout.outputs):
-                view = np.frombuffer(slots, DTYPES[dtype][0], m * layout.width, layout.output_at(slot, i))
+            for i, name in enumerate(plan.outputs):
+                view = np.frombuffer(slots, DTYPES[dtype][0], m * plan.width, plan.output_at(slot, i))
                 view[:] = arrays[name].reshape(-1)
-            np.frombuffer(slots, np.bool_, m, layout.finite_at(slot))[:] = done.finite
+            np.frombuffer(slots, np.bool_, m, plan.finite_at(slot))[:] = done.finite
             conn.send(("done", m, done.gpu_ms))
             continue
         try:
@@ -235,13 +235,13 @@ def _serve(stager: Any, slots: mmap.mmap, layout: _Layout, dtype: str, conn: Con
         shapes, grid = message
         slot = received % DEPTH
         received += 1
-        canvases, at = [], layout.canvas_at(slot)
+        canvases, at = [], plan.canvas_at(slot)
         for shape in shapes:
             size = int(np.prod(shape))
             canvases.append(np.frombuffer(slots, np.uint8, size, at).reshape(shape))
             at += size
         try:
-            pending.append((slot, stager.submit(canvases, grid, layout.outputs, dtype)))
+            pending.append((slot, stager.submit(canvases, grid, plan.outputs, dtype)))
         except (GlmVitError, MemoryError) as exc:
             conn.send(("error", str(exc) or type(exc).__name__))
             return
@@ -284,8 +284,7 @@ class EngineGroup:
                  max_pixels: int | None, processor: ProcessorConfig, outputs: Sequence[str], dtype: str,
                  kernels: str = "auto", video: VideoConfig | None = None) -> None:
         check_dtype(dtype)
-        if kernels not in KERNELS:
-            raise GlmVitError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+        check_kernels(kernels)
         backend = "cupy" if backend == "auto" else backend
         devices = all_devices() if devices is None else list(devices)
         location = locate_tower(model_dir)
@@ -297,7 +296,7 @@ class EngineGroup:
         self.backend_note = ""
         self._stream = StreamTurn(threading.Lock(), "a stream of the same engine group")
         self.engine_settings: list[tuple[str, str, bool]] = []
-        self.layout = _Layout(tuple(outputs), np.dtype(DTYPES[dtype][0]).itemsize, self.geometry.out_hidden_size,
+        self.plan = _SlotPlan(tuple(outputs), np.dtype(DTYPES[dtype][0]).itemsize, self.geometry.out_hidden_size,
                               self.p_max // self.geometry.merge_unit, pixel_bytes(self.p_max, processor, video))
         self._engines: list[_Engine] = []
         shared: list[_SharedFile] = []
@@ -315,12 +314,12 @@ class EngineGroup:
             for index, device in enumerate(devices):
                 if visible_list is not None and device >= len(visible_list):
                     raise GlmVitError(f"--devices: device {device} is not among CUDA_VISIBLE_DEVICES={visible}")
-                slots = _SharedFile(f"glmvit-cupy-slots-{index}", self.layout.total)
+                slots = _SharedFile(f"glmvit-cupy-slots-{index}", self.plan.total)
                 shared.append(slots)
                 spec = _EngineSpec(
                     device, None if backend == "numpy" else (visible_list[device] if visible_list else str(device)),
                     backend, str(tower[0].path), weights.arena.size, location, weights.offsets, weights.bytes_read,
-                    max_pixels, processor, dtype, kernels, video, self.layout, str(slots.path))
+                    max_pixels, processor, dtype, kernels, video, self.plan, str(slots.path))
                 child = Child(_engine_main, (spec,), f"glmvit-cupy engine {device}")
                 self._engines.append(_Engine(index, device, child, child.conn, slots))
             del weights, allocate
@@ -341,12 +340,12 @@ class EngineGroup:
 
     def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
                dtype: str) -> Pending:
-        if (tuple(outputs), dtype) != (self.layout.outputs, self.dtype):  # the shared slots are laid out for those
-            raise InternalError(f"an engine group made for {self.layout.outputs} in {self.dtype} was given a batch of "
+        if (tuple(outputs), dtype) != (self.plan.outputs, self.dtype):  # the shared slots are laid out for those
+            raise InternalError(f"an engine group made for {self.plan.outputs} in {self.dtype} was given a batch of "
                                 f"{tuple(outputs)} in {dtype}")
         engine = min(self._engines, key=lambda e: e.in_flight)
         slot = engine.sent % DEPTH
-        buf = np.frombuffer(engine.slots.map, np.uint8, self.layout.slot_bytes, self.layout.canvas_at(slot))
+        buf = np.frombuffer(engine.slots.map, np.uint8, self.plan.slot_bytes, self.plan.canvas_at(slot))
         check_patch_budget(self.geometry, num_patches(grid_thw), self.p_max, "this batch")  # no slot holds more
         cursor = 0
         for c in canvases:
@@ -354,16 +353,16 @@ class EngineGroup:
             cursor += c.size
         engine.conn.send(([c.shape for c in canvases], grid_thw))
         engine.sent += 1
-        layout = self.layout
+        plan = self.plan
 
         def collect() -> tuple[dict[str, np.ndarray], np.ndarray, float]:
             _, m, gpu_ms = engine.reply()
             engine.received += 1
             slot_map = engine.slots.map
-            arrays = {name: np.frombuffer(slot_map, DTYPES[self.dtype][0], m * layout.width,
-                                          layout.output_at(slot, i)).reshape(m, layout.width).copy()
-                      for i, name in enumerate(layout.outputs)}
-            return arrays, np.frombuffer(slot_map, np.bool_, m, layout.finite_at(slot)).copy(), gpu_ms
+            arrays = {name: np.frombuffer(slot_map, DTYPES[self.dtype][0], m * plan.width,
+                                          plan.output_at(slot, i)).reshape(m, plan.width).copy()
+                      for i, name in enumerate(plan.outputs)}
+            return arrays, np.frombuffer(slot_map, np.bool_, m, plan.finite_at(slot)).copy(), gpu_ms
 
         return Pending(grid_thw, merged_offsets(grid_thw, self.geometry.merge_unit), collect=collect,
                        engine=engine.index)

@@ -140,12 +140,17 @@ def _check_type(name: str, value: Any, types: tuple[type, ...], expected: str) -
         raise GlmVitError(f"{name} is a {type(value).__name__}, expected {expected}")
 
 
+def check_kernels(kernels: Any) -> None:
+    """Refuse, in one line, a kernel set not among KERNELS (GlmVit, devices.EngineGroup)."""
+    if kernels not in KERNELS:
+        raise GlmVitError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+
+
 def _check_options(max_pixels: Any, attention: Any, device: Any, kernels: Any) -> None:
     for name, value in (("max_pixels", max_pixels), ("device", device)):
         _check_type(name, value, (int, type(None)), "an int or None")
     _check_type("attention", attention, (str, type(None)), "'flash', 'naive' or None")
-    if kernels not in KERNELS:
-        raise GlmVitError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+    check_kernels(kernels)
 
 
 def _refuse_nonfinite(out: GlmVitOutput, labels: Sequence[str], xp: Any) -> None:
@@ -186,10 +191,10 @@ class GlmVit:
         self.processor = processor
         self._pool: Decoder | None = None
         self._stager: tuple[ProcessorConfig, Any] | None = None  # encode_iter's, kept across calls
-        self._turns = threading.Lock() if backend == "cupy" else contextlib.nullcontext()  # forward
+        self._engine_lock = threading.Lock() if backend == "cupy" else contextlib.nullcontext()  # forward
         # One encode stream at a time: streams share the decode pool (rebuilt for other settings)
         # and, on the GPU, the engine's buffers, which forward uses too (the same lock there).
-        self._streams = StreamTurn(self._turns if backend == "cupy" else threading.Lock(),
+        self._stream_turn = StreamTurn(self._engine_lock if backend == "cupy" else threading.Lock(),
                                    "an encode_iter loop of the same GlmVit")
 
     @classmethod
@@ -271,10 +276,10 @@ class GlmVit:
         if tuple(pixel_values.shape) != (patches, geo.patch_dim):
             raise GlmVitError(f"pixel_values has shape {list(pixel_values.shape)}; grid_thw needs "
                               f"[{patches}, {geo.patch_dim}]")
-        if self.backend == "cupy" and self._streams.held_here():
+        if self.backend == "cupy" and self._stream_turn.held_here():
             raise GlmVitError("forward called inside an encode_iter loop of the same GPU GlmVit (whose batches "
                               "are staged in the engine's buffers): finish or close that loop first")
-        with self._turns:
+        with self._engine_lock:
             last_hidden, pooler = self.tower.forward(pixel_values, grid)
         out = GlmVitOutput(last_hidden, pooler, grid, merged_offsets(grid, geo.merge_unit))
         _refuse_nonfinite(out, [f"image {i} of this forward call" for i in range(len(grid))], self._xp())
@@ -321,12 +326,12 @@ class GlmVit:
         """This GlmVit's encode-stream turn, held while a stream runs (pipeline.stream and
         encode_iter take it): one stream at a time, since streams share the decode pool and, on
         the GPU, the engine's buffers. A stream inside a stream of the same thread is refused."""
-        return self._streams(what)
+        return self._stream_turn(what)
 
     def engine_turn(self) -> contextlib.AbstractContextManager[Any]:
         """Held around each use of the engine's buffers outside a stream (a forward, a batcher's
         batch): on the GPU the same lock as the stream turn, so they take turns with streams."""
-        return self._turns
+        return self._engine_lock
 
     def encode(self, images: ImageLike | Sequence[ImageLike], *, output: str = DEFAULT_OUTPUT,
                dtype: str = DEFAULT_DTYPE, on_error: str = "raise", workers: int | None = None,

@@ -37,6 +37,7 @@ import numpy as np
 from .bf16 import bf16_to_f32
 from .checkpoint import HeaderEntry, read_header
 from .errors import GlmVitError
+from .sources import resume_key
 from .staging import DTYPES
 from .writer import create_temp, fsync_dir, is_temp, safetensors_header, write_atomic
 
@@ -331,8 +332,8 @@ def write_failures(directory: Path, failures: list[dict]) -> None:
 
 
 def record_key(record: dict) -> str:
-    """The resume identity of a metadata line (the same as sources.Source.key)."""
-    return record["path"] if record.get("member") is None else f"{record['path']}::{record['key']}"
+    """The resume identity of a metadata line: its source's sources.Source.key."""
+    return resume_key(record["path"], None if record.get("member") is None else record["key"])
 
 
 Directories = str | Path | Iterable[str | Path]

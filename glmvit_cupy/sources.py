@@ -33,6 +33,13 @@ _GLOB_CHARS = frozenset("*?[")
 _CHUNK = 1 << 20  # bytes a read while hashing a streamed file
 
 
+def resume_key(path: str, member_key: str | None) -> str:
+    """An input's identity across runs (a resume skips it when its output directory holds it): its
+    path, or its tar shard's path and its member's key (the member's name without the extension,
+    as a shard record writes it)."""
+    return path if member_key is None else f"{path}::{member_key}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     """One image or video to encode: a file, or a byte range of a tar shard."""
@@ -45,7 +52,7 @@ class Source:
     @property
     def key(self) -> str:
         """Identity across runs (resume): the path, or the shard path and the member's key."""
-        return self.path if self.member is None else f"{self.path}::{os.path.splitext(self.member)[0]}"
+        return resume_key(self.path, None if self.member is None else os.path.splitext(self.member)[0])
 
     @property
     def name(self) -> str:

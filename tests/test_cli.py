@@ -189,7 +189,7 @@ def test_help_explains_each_command():
     for each option (whitespace aside: click rewraps paragraphs to the terminal)."""
     import click
 
-    import cli
+    from glmvit_cupy import cli
 
     top = run("--help")
     assert top.returncode == 0 and "Run the GLM-5.3-Flash vision tower without a framework." in top.stdout
@@ -215,7 +215,7 @@ def test_a_decompression_bomb_is_one_line(tmp_path, tiny_ckpt):
 def test_out_of_host_memory_names_an_option_that_helps(capsys):
     """A MemoryError on the CPU backend: one line naming --max-image-tokens, which shrinks what
     the NumPy forward holds (--max-pixels alone cannot shrink a single image)."""
-    import cli
+    from glmvit_cupy import cli
 
     @cli.user_errors
     def command() -> None:

@@ -84,3 +84,16 @@ def test_the_package_docstring_lists_every_module_once():
     listed = re.findall(r"^  (\w+) ", glmvit_cupy.__doc__, re.M)
     modules = sorted(path.stem for path in (ROOT / "glmvit_cupy").glob("*.py") if path.stem != "__init__")
     assert sorted(listed) == modules
+
+
+def test_the_readme_layout_is_the_package_docstrings_map():
+    """README.md's Layout shows glmvit_cupy/ as the package docstring's map, line for line, so
+    the two cannot disagree."""
+    import glmvit_cupy
+
+    doc = glmvit_cupy.__doc__
+    docstring_map = doc[doc.index("The model and its checkpoints"):].rstrip("\n")
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    block = re.search(r"```text\n(.*?)\n```", layout, re.S)
+    assert block is not None and block.group(1) == docstring_map
