@@ -292,10 +292,10 @@ class ShardSink(Datasink):
                 batch = BlockAccessor.for_block(block).to_batch_format("numpy")
                 for i in range(len(batch["path"])):
                     row = {name: column[i] for name, column in batch.items()}
-                    record = {"path": str(row["path"])}
-                    if _member(row["member"]) is not None:
-                        record.update(member=row["member"], key=row["key"])
-                    record["kind"] = Source(row["path"], row["member"]).kind  # an image: a video fails here
+                    record, member = {"path": str(row["path"])}, _member(row["member"])
+                    if member is not None:
+                        record.update(member=member, key=row["key"])
+                    record["kind"] = Source(record["path"], member).kind  # an image: a video fails here
                     if row["error"]:
                         failures.append({**record, "error": str(row["error"])})
                     else:

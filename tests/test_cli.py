@@ -175,7 +175,7 @@ HELP = {
              "glmvit-cupy info --model ckpt"),
     "extract": ("Write the tower of SRC as a vision-only checkpoint in the new directory DST.",
                 "glmvit-cupy extract zai-org/GLM-5.3-Flash glm53-vision"),
-    "make-checkpoint": ("Write a checkpoint in the released layout with random weights into DIRECTORY.",
+    "make-checkpoint": ("Write a checkpoint in the released form with random weights into DIRECTORY.",
                         "glmvit-cupy make-checkpoint ckpt --geometry tiny"),
     "bench": ("Time the GPU engine: median ms, TFLOP/s, % of cuBLAS's peak, scratch, stages.",
               "glmvit-cupy bench --model ckpt"),
