@@ -29,6 +29,7 @@ The GPU engine
   cublas      the cuBLAS GEMM wrapper (graph-capturable)
   faults      GPU faults as one line, where they happen when asked
   benchmark   FLOP counts, CUDA-event timings, cuBLAS ceilings (glmvit-cupy bench)
+  outputs     GlmVitOutput and Timing, what the library hands back, and its output options' check
   model       GlmVit: from_pretrained / forward / encode / encode_iter over either backend
 Collections, processes and serving
   sources     command-line inputs (files, directories, patterns, lists, tar shards) -> sources
@@ -53,7 +54,8 @@ The command line
 
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
 from .geometry import GlmVitGeometry, load_geometry
-from .model import GlmVit, GlmVitOutput
+from .model import GlmVit
+from .outputs import GlmVitOutput
 from .preprocess import preprocess
 from .shards import read_embeddings
 

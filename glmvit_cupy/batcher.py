@@ -40,7 +40,7 @@ import numpy as np
 
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
 from .geometry import check_patch_budget
-from .model import GlmVitOutput, Timing, check_output_options, library_output
+from .outputs import GlmVitOutput, Timing, check_output_options, library_output
 from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, Decoder, Prepared, item_name
 from .preprocess import canvas_grid, image_input
 from .staging import DEFAULT_DTYPE, make_stager

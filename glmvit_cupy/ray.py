@@ -128,7 +128,8 @@ class GlmVitEmbedder:
     def __init__(self, model: str, processor: ProcessorConfig | None = None, *, backend: str = "auto",
                  output: str = DEFAULT_OUTPUT, dtype: str = DEFAULT_DTYPE, max_pixels: int | None = None,
                  kernels: str = "auto", gpu_memory_fraction: float | None = None) -> None:
-        from .model import GlmVit, check_output_options, gpu_available
+        from .model import GlmVit, gpu_available
+        from .outputs import check_output_options
 
         outputs = check_output_options(output, dtype)
         if backend != "numpy" and gpu_available()[0]:
@@ -243,7 +244,8 @@ def embed(ds: ray.data.Dataset, model: str, *, plan: Plan | None = None, batch_s
     actors then decode their own rows.)"""
     from .geometry import load_geometry
     from .hub import resolve_model
-    from .model import KERNELS, check_output_options
+    from .model import KERNELS
+    from .outputs import check_output_options
     from .preprocess import processor_config
 
     if batch_size < 1:

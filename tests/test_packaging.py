@@ -43,17 +43,12 @@ def test_the_version_is_written_once():
 
 
 def module_imports(path: Path) -> set[str]:
-    """The package modules a module imports at its top level, `if TYPE_CHECKING:` blocks included
-    (an import inside a function, made when it runs, is left out)."""
+    """The package modules a module imports anywhere in it: at its top level, in `if TYPE_CHECKING:`
+    blocks, and inside functions (made when they run, but a circle all the same: the layers are
+    read from the imports, wherever they stand)."""
     found = set()
-    body = list(ast.parse(path.read_text()).body)
-    while body:
-        node = body.pop()
-        if isinstance(node, (ast.If, ast.Try)):
-            body.extend(node.body + node.orelse + getattr(node, "handlers", []) + getattr(node, "finalbody", []))
-        elif isinstance(node, ast.ExceptHandler):
-            body.extend(node.body)
-        elif isinstance(node, ast.ImportFrom) and node.level == 1:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
             found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("glmvit_cupy."):
             found.add(node.module.split(".")[1])
