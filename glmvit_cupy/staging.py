@@ -145,7 +145,7 @@ class CupyStager:
         geo, p_max = tower.geo, tower.p_max
         self.m_max, self.width = p_max // geo.merge_unit, geo.out_hidden_size
         self.patch, self.temporal = processor.patch_size, processor.temporal_patch_size
-        canvas_bytes = pixel_bytes(p_max, processor, video)
+        canvas_bytes = check_pixel_bytes(p_max, processor, video)
         # staging: canvases | images [n, 4] | positions [P, 2] | work list [tiles, 4] | QKV map
         # (a table entry is an image or a video's temporal group: each is at least one merged token)
         self.capacity = (_up(canvas_bytes) + _up(16 * self.m_max) + _up(8 * p_max)
@@ -301,6 +301,16 @@ def pixel_bytes(p_max: int, processor: ProcessorConfig, video: VideoConfig | Non
     """Bytes of uint8 pixels one batch of p_max patches may bring: 3 x patch^2 a patch (every
     canvas pixel belongs to one patch), times the temporal frames where videos come."""
     return p_max * 3 * processor.patch_size ** 2 * (1 if video is None else processor.temporal_patch_size)
+
+
+def check_pixel_bytes(p_max: int, processor: ProcessorConfig, video: VideoConfig | None) -> int:
+    """pixel_bytes, refused in one line past what patchify.cu's int32 byte offsets address."""
+    nbytes = pixel_bytes(p_max, processor, video)
+    if nbytes > 2**31 - 1:
+        raise GlmVitError(f"a forward call of {p_max} patches brings {nbytes:,} bytes of uint8 pixels"
+                          f"{' (two frames a video patch)' if video is not None else ''}, over the 2 GiB the GPU's "
+                          "patchify addresses: lower --max-pixels (GlmVit.from_pretrained(max_pixels=...))")
+    return nbytes
 
 
 def make_stager(vit, processor: ProcessorConfig, video: VideoConfig | None = None):

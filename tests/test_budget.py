@@ -123,3 +123,21 @@ def test_a_few_images_to_one_file_name_the_one_over_the_budget(tmp_path, unresiz
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == ["glmvit-cupy: error: " + refusal(str(images / "b.png"), 400, 64)]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_budget_whose_pixels_the_gpu_patchify_cannot_address_is_one_line():
+    """The GPU stager's patchify.cu takes int32 byte offsets into a batch's uint8 pixels: a p_max past
+    2 GiB of them is refused before any buffer is made, naming the bytes and --max-pixels; twice
+    the bytes a patch where videos come (two frames)."""
+    from glmvit_cupy.preprocess import ProcessorConfig
+    from glmvit_cupy.staging import check_pixel_bytes
+    from glmvit_cupy.video import VideoConfig
+
+    config = ProcessorConfig()
+    largest = (2**31 - 1) // (3 * 14 * 14)
+    assert check_pixel_bytes(largest, config, None) == largest * 588
+    with pytest.raises(GlmVitError, match=r"^a forward call of 3652184 patches brings 2,147,484,192 bytes of uint8 "
+                                          r"pixels, over the 2 GiB .* lower --max-pixels"):
+        check_pixel_bytes(largest + 1, config, None)
+    with pytest.raises(GlmVitError, match=r"two frames a video patch"):
+        check_pixel_bytes(largest // 2 + 1, config, VideoConfig())
