@@ -98,7 +98,7 @@ with open(report, "w") as f:
 sys.exit(code)
 """
 
-SUMMARY = re.compile(r"encoded (\d+), skipped (\d+), failed (\d+) in ([\d.]+)s: [\d.,]+ images/s, "
+SUMMARY = re.compile(r"encoded (\d+), skipped (\d+), failed (\d+) in ([\d.]+)s: [\d.,]+ (?:images|inputs)/s, "
                      r"[\d.,]+ tokens/s, GPU busy (.+)$")
 
 

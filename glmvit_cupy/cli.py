@@ -318,21 +318,22 @@ def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_si
     from glmvit_cupy.pipeline import encode_collection
     from glmvit_cupy.progress import Progress
 
-    progress = Progress(quiet)
+    unit = "inputs" if any(source.kind == "video" for source in sources) else "images"  # a video is not an image
+    progress = Progress(quiet, unit=unit)
     try:
         summary = encode_collection(vit, sources, out_dir, shard_size=shard_size, output=which, dtype=dtype,
                                     processor=processor, fail_fast=fail_fast, progress=progress, decoder=decoder,
                                     stager=group)
     except KeyboardInterrupt:
         progress.close()
-        fail(f"interrupted after {progress.done} image(s); the finished shards are in {out_dir}: "
+        fail(f"interrupted after {progress.done} {unit}; the finished shards are in {out_dir}: "
              "run the same command again to encode the rest", status=130)
     progress.close()
     busy = "n/a (NumPy backend)" if summary.gpu_busy is None else " ".join(f"{100 * b:.0f}%" for b in summary.gpu_busy)
     if group is not None and summary.gpu_busy is not None:
         busy += f" (devices {','.join(map(str, group.devices))})"
     click.echo(f"glmvit-cupy: encoded {summary.encoded}, skipped {summary.skipped}, failed {summary.failed} in "
-               f"{summary.wall_s:.1f}s: {summary.images_per_s:.1f} images/s, {summary.tokens_per_s:,.0f} tokens/s, "
+               f"{summary.wall_s:.1f}s: {summary.images_per_s:.1f} {unit}/s, {summary.tokens_per_s:,.0f} tokens/s, "
                f"GPU busy {busy}", err=True)
     if summary.failed:
         fail(f"{summary.failed} input(s) failed; their reasons are in {out_dir / 'failures.jsonl'}")

@@ -16,8 +16,8 @@ PLAIN_EVERY_S = 10.0
 class Progress:
     """`start(total)` once the inputs left to do are known, then a call per finished input."""
 
-    def __init__(self, quiet: bool = False, stream: IO[str] | None = None) -> None:
-        self.quiet, self.out = quiet, stream or sys.stderr
+    def __init__(self, quiet: bool = False, stream: IO[str] | None = None, unit: str = "images") -> None:
+        self.quiet, self.out, self.unit = quiet, stream or sys.stderr, unit  # "inputs" where videos come too
         self.total = self.done = self.failed = 0
         self.bar = None
 
@@ -27,7 +27,7 @@ class Progress:
         if not self.quiet and self.out.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="img", file=self.out, dynamic_ncols=True, smoothing=0.1,
+            self.bar = tqdm(total=total, unit=self.unit[:-1], file=self.out, dynamic_ncols=True, smoothing=0.1,
                             desc="encoding")
 
     def __call__(self, result: Encoded, stats: StreamStats) -> None:
@@ -45,8 +45,8 @@ class Progress:
             self.last = now
             rate = self.done / elapsed
             eta = (self.total - self.done) / rate if rate else float("inf")
-            print(f"glmvit-cupy: {self.done}/{self.total} images ({100 * self.done / max(self.total, 1):.0f}%), "
-                  f"{rate:.1f} images/s, {stats.tokens / elapsed:,.0f} tokens/s, {self.failed} failed, "
+            print(f"glmvit-cupy: {self.done}/{self.total} {self.unit} ({100 * self.done / max(self.total, 1):.0f}%), "
+                  f"{rate:.1f} {self.unit}/s, {stats.tokens / elapsed:,.0f} tokens/s, {self.failed} failed, "
                   f"ETA {_clock(eta)}", file=self.out, flush=True)
 
     def close(self) -> None:

@@ -91,6 +91,7 @@ def encoded(collection, ckpt, tmp_path_factory):
 def test_clips_and_images_equal_encode_video_and_encode(collection, ckpt, vit, encoded):
     proc, out = encoded
     assert proc.returncode == 1 and "encoded 10, skipped 0, failed 4" in proc.stderr, proc.stderr
+    assert " inputs/s, " in proc.stderr and "images/s" not in proc.stderr  # clips are not images
     config, _ = video_config(ckpt)
     got = {(r["path"], r.get("member")): (r, a) for r, a in read_embeddings(out)}
     assert len(got) == 10
@@ -157,6 +158,7 @@ def test_engine_processes_write_what_one_engine_writes(collection, ckpt, encoded
     _, one = encoded
     proc = encode(collection, tmp_path / "two", ckpt, "--devices", "0,1")
     assert proc.returncode == 1 and "encoded 10, skipped 0, failed 4" in proc.stderr, proc.stderr
+    assert " inputs/s, " in proc.stderr and "images/s" not in proc.stderr  # clips are not images
     names = sorted(p.name for p in one.iterdir())
     assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
     for name in names:
