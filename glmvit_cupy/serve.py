@@ -60,7 +60,7 @@ log = logging.getLogger("glmvit_cupy.serve")
 
 WARMUP_SIDE = 448  # pixels of the warm-up photograph's sides, unless the budget (--max-pixels) is smaller
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
-B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time: 1 MiB of base64, ~1 ms
+B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time (host base64): 1 MiB of base64
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
@@ -625,8 +625,8 @@ def _arrays(result: Any, output: str) -> dict[str, np.ndarray]:
 
 def _embeddings_parts(results: list[Any], output: str, encoding: str, model: str, device_base64: Any = None) -> list[Any]:
     """The /v1/embeddings response as JSON, in parts to send in order, never joined: a real tower's base64
-    answer is ~22 MB, and each join or concatenation of it is a 22 MB copy (four took ~115 ms of 141 on
-    the dev machine: benchmarks/NOTES.md). An embedding is nested lists [tokens][dim] (float) or the
+    answer is megabytes, and each join or concatenation of it is a copy of it as long as the base64
+    itself takes (benchmarks/NOTES.md). An embedding is nested lists [tokens][dim] (float) or the
     row-major bytes of the array in its dtype (base64; little-endian, as every host we run on), spliced in
     as they are: base64 needs no JSON escaping, and json.dumps would scan megabytes for it. With
     `device_base64` (a GPU server) the base64 is made on the GPU, in one part."""
@@ -655,7 +655,7 @@ def _base64_parts(array: np.ndarray) -> list[bytes]:
     """The base64 of the array's bytes, read in place (no copy of a contiguous array) in slices of
     B64_SLICE bytes: a multiple of 3, so the parts are the whole's base64. Between slices the event loop
     can take the GIL, which base64 holds, and 1 MiB results reuse freed memory where one of 22 MB is
-    page-faulted in afresh (18 ms against 29 for the whole, on the dev machine)."""
+    page-faulted in afresh."""
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
     return [base64.b64encode(flat[i:i + B64_SLICE]) for i in range(0, flat.size, B64_SLICE)]
 
