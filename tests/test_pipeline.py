@@ -131,7 +131,7 @@ def test_a_terminal_gets_a_live_bar(tmp_path, tiny):
     assert proc.wait(timeout=120) == 1  # the junk file failed
     text = shown.decode()
     bar = [part for part in text.split("\r") if part.startswith("encoding: 100%")]
-    assert bar and "7/7 [" in bar[-1] and "img/s, failed=1, tokens_s=" in bar[-1], text
+    assert bar and "7/7 [" in bar[-1] and "image/s, failed=1, tokens_s=" in bar[-1], text
     assert "glmvit-cupy: 7/7 images" not in text and "encoded 6, skipped 0, failed 1" in text
 
 
