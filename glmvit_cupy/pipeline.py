@@ -71,12 +71,6 @@ class Prepared:
 Config = Union[ProcessorConfig, VideoConfig]  # an input's settings: the image or the video processor's
 
 
-def video_refused(item: Source) -> str:
-    """The failure of a video where a run takes images only (the batcher, the server, Ray)."""
-    return (f"{item.name}: a video; this run takes images only (glmvit-cupy encode --out-dir and "
-            "GlmVit.encode_video take videos)")
-
-
 def prepare(item: Any, config: Config) -> Prepared:
     """Read (sources), decode and resize one input in this process, timed. Every failure is a reason."""
     start = time.perf_counter()
@@ -110,6 +104,9 @@ def _start(item: Any, config: Config) -> Iterator[Any]:
             steps = clips.start(item, config)
             nbytes, sha, info, shape = next(steps)
             head = Prepared(None, None, nbytes, sha, video=info), shape
+        elif isinstance(item, Source) and item.kind == "video":  # given the image processor's settings
+            head = Prepared(None, f"{item.name}: a video; this run takes images only (glmvit-cupy encode --out-dir "
+                                  "and GlmVit.encode_video take videos)"), None
         else:
             if isinstance(item, Source):
                 data = item.read()
@@ -285,10 +282,7 @@ class Decoder:
         """A future of the input's Prepared."""
         config: Config = processor or self.processor
         future: Future = Future()
-        if isinstance(item, Source) and item.kind == "video":
-            if self.video is None:
-                future.set_result(Prepared(None, video_refused(item)))
-                return future
+        if isinstance(item, Source) and item.kind == "video" and self.video is not None:
             config = self.video
         if isinstance(self.pool, DecodePool):
             return self.pool.submit(item, config)

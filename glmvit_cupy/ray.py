@@ -46,7 +46,7 @@ from ray.data.datasource import Datasink
 
 from .errors import GlmVitError
 from .pipeline import (DEFAULT_OUTPUT, Encoded, Prepared, StreamStats, check_collection_settings, encode_prepared,
-                       prepare, shard_metadata, video_refused)
+                       prepare, shard_metadata)
 from .preprocess import ProcessorConfig
 from .shards import DEFAULT_SHARD_SIZE, ShardWriter, write_failures
 from .sources import Source
@@ -103,7 +103,7 @@ def decode(batch: dict[str, np.ndarray], processor: ProcessorConfig) -> dict[str
     `prepare`; a row that fails keeps its reason in `error` and an empty canvas."""
     rows: dict[str, list] = {name: [] for name in ("path", "member", "nbytes", "sha256", "canvas", "error")}
     for item in _items(batch):
-        prepared = Prepared(None, video_refused(item)) if item.kind == "video" else prepare(item, processor)
+        prepared = prepare(item, processor)
         rows["path"].append(item.path)
         rows["member"].append(item.member)
         rows["nbytes"].append(prepared.nbytes or 0)

@@ -294,3 +294,19 @@ def test_gpu_actors_sharing_a_gpu_get_half_its_pool_and_the_engines_bits(tmp_pat
                 assert np.array_equal(got, want.pooler_output), (path, rel_err(got, want.pooler_output))
     finally:
         vit.close()
+
+
+def test_the_decode_stage_fails_a_video_alone(tmp_path):
+    """A video among Ray's rows (expand_inputs lists videos too) fails alone at the decode stage,
+    with the one line every images-only path gives; the image beside it decodes."""
+    from glmvit_cupy.preprocess import ProcessorConfig
+    from glmvit_cupy.ray import decode
+    from PIL import Image
+
+    clip, image = tmp_path / "a.mp4", tmp_path / "b.png"
+    clip.write_bytes(b"never read: the extension makes it a video")
+    Image.new("RGB", (56, 56), "gray").save(image)
+    rows = decode({"path": np.array([str(clip), str(image)], dtype=object)}, ProcessorConfig())
+    assert rows["error"][0] == (f"{clip}: a video; this run takes images only (glmvit-cupy encode --out-dir and "
+                                "GlmVit.encode_video take videos)")
+    assert rows["error"][1] == "" and rows["canvas"][1].ndim == 3 and rows["canvas"][1].dtype == np.uint8
