@@ -22,6 +22,7 @@ import numpy as np
 from .faults import synchronize
 from .kernel_source import cuda_source_dir
 from .kernels import compile_module, grid_1d
+from .writer import flat_bytes
 
 CHUNK = 3 * 2**22  # input bytes a round trip (12 MiB; a multiple of 3, so the chunks' texts concatenate)
 BLOCK = 256
@@ -49,7 +50,7 @@ class DeviceBase64:
         self._lock = threading.Lock()
 
     def encode(self, array: np.ndarray) -> np.ndarray:
-        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
+        flat = flat_bytes(array)
         out = np.empty(encoded_size(flat.size), dtype=np.uint8)
         with self._lock, self.current(), self.stream:
             for start in range(0, flat.size, self.chunk):

@@ -54,7 +54,7 @@ from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
 from .preprocess import EncodedImage
 from .staging import DEFAULT_DTYPE, DTYPES
 from .synthetic import photo_like
-from .writer import safetensors_chunks
+from .writer import flat_bytes, safetensors_chunks
 
 log = logging.getLogger("glmvit_cupy.serve")
 
@@ -290,8 +290,7 @@ class Service:
             return Response(_npy(next(iter(arrays.values()))), media_type=MEDIA_NPY, headers=headers)
         tensors = {**arrays, "grid_thw": one.output.grid_thw}
         specs = [(name, SAFETENSORS_DTYPES[a.dtype.name], list(a.shape)) for name, a in tensors.items()]
-        # flat uint8: bfloat16 has no buffer format, and the server's len() of a part must be its bytes
-        data = (np.ascontiguousarray(a).reshape(-1).view(np.uint8).data for a in tensors.values())
+        data = (flat_bytes(a).data for a in tensors.values())
         return _PartsResponse(list(safetensors_chunks(specs, data, "/embed")), headers, MEDIA_SAFETENSORS)
 
     async def health(self, request: Request, timing: _Timing) -> Response:
@@ -656,7 +655,7 @@ def _base64_parts(array: np.ndarray) -> list[bytes]:
     B64_SLICE bytes: a multiple of 3, so the parts are the whole's base64. Between slices the event loop
     can take the GIL, which base64 holds, and 1 MiB results reuse freed memory where one of 22 MB is
     page-faulted in afresh."""
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
+    flat = flat_bytes(array)
     return [base64.b64encode(flat[i:i + B64_SLICE]) for i in range(0, flat.size, B64_SLICE)]
 
 

@@ -44,6 +44,7 @@ from .errors import GlmVitError, InternalError
 from .layout import merged_offsets
 from .preprocess import ProcessorConfig, patchify, pixel_table
 from .video import VideoConfig, patchify_frames, video_pixel_table
+from .writer import flat_bytes
 
 DTYPES = {"bfloat16": (np.uint16, "BF16"), "float16": (np.float16, "F16"), "float32": (np.float32, "F32")}
 DEFAULT_DTYPE = "bfloat16"  # of every output the package makes: shards, the library, Ray (what the LM consumes)
@@ -229,7 +230,7 @@ class CupyStager:
         placed = []  # (offset in staging, bytes, device destination or None for the image table)
         for array, destination in [(images, None)] + tower.slab_uploads(tables):
             cursor = _up(cursor)
-            raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+            raw = flat_bytes(array)
             buf[cursor:cursor + raw.size] = raw
             placed.append((cursor, raw.size, destination))
             cursor += raw.size

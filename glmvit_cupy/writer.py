@@ -87,6 +87,12 @@ def safetensors_header(tensors: Iterable[tuple[str, str, Sequence[int], int]], m
     return json.dumps(header, separators=(",", ":")).encode()
 
 
+def flat_bytes(array: np.ndarray) -> np.ndarray:
+    """An array's row-major bytes as a flat uint8 view (a copy only when it is not contiguous):
+    bfloat16 (ml_dtypes) has no buffer format, and a part sent or written must have len() = bytes."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
 def safetensors_chunks(specs: list[tuple[str, str, list[int]]], data: Iterator[bytes], what: str) -> Iterator[bytes]:
     """A safetensors file as chunks (the server's responses, sent in parts with no copy joining
     the tensors): the padded header, then the tensors' bytes. `what` names the file in the error
