@@ -42,7 +42,6 @@ import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -179,21 +178,31 @@ def _client_start(url: str, files: list[str], connections: int, seed: int) -> No
                    rng=np.random.default_rng([seed, os.getpid()]))
 
 
-def _client_step(step: str, arg: Any, share: int) -> list[dict]:
-    """One client process's part of a step: `share` of its concurrency (closed loops) or rate (Poisson)."""
+def _client_step(step: str, args: tuple) -> list[dict]:
+    """One client process's part of a step: "lone" (image, requests) one at a time; "each" (indices
+    into the files, clients): each file once; "repeat" (body, requests, clients); "poisson" (rate,
+    seconds)."""
     async def go() -> list[dict]:
         limits = httpx.Limits(max_connections=_client["connections"], max_keepalive_connections=None)
         async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
             url, sources = _client["url"], _client["sources"]
             if step == "lone":
-                lone = Bodies(arg, "image/jpeg")
-                return [await post(client, url, lone.next()) for _ in range(share)]
-            if step == "closed":  # arg: (indices into the files, or one body), requests
-                bodies = [sources[i].next() for i in arg] if isinstance(arg, list) else [arg] * share[1]
-                return await closed_loop(client, url, bodies, share[0])
-            rate, seconds = arg
+                image, requests = args
+                lone = Bodies(image, "image/jpeg")
+                return [await post(client, url, lone.next()) for _ in range(requests)]
+            if step == "each":
+                indices, clients = args
+                return await closed_loop(client, url, [sources[i].next() for i in indices], clients)
+            if step == "repeat":
+                body, requests, clients = args
+                return await closed_loop(client, url, [body] * requests, clients)
+            rate, seconds = args
             return await poisson(client, url, sources, rate, seconds, _client["rng"])
     return asyncio.run(go())
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 class Load:
@@ -214,27 +223,28 @@ class Load:
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
 
-    def one(self, step: str, arg: Any, share: Any) -> list[dict]:
-        return self.pool.submit(_client_step, step, arg, share).result()
+    def one(self, step: str, args: tuple) -> list[dict]:
+        return self.pool.submit(_client_step, step, args).result()
 
-    def split(self, step: str, args: list, shares: list) -> tuple[list[dict], float]:
+    def split(self, step: str, parts: list[tuple]) -> tuple[list[dict], float]:
         """(every result, wall seconds) of one part a process, all started at once."""
         t0 = time.perf_counter()
-        parts = [self.pool.submit(_client_step, step, arg, share) for arg, share in zip(args, shares)]
-        results = [r for part in parts for r in part.result()]
+        futures = [self.pool.submit(_client_step, step, args) for args in parts]
+        results = [r for future in futures for r in future.result()]
         return results, time.perf_counter() - t0
 
-    def closed(self, files: int | bytes, concurrency: int, requests: int = 0) -> tuple[list[dict], float]:
-        """Every file once (files: their count) or one body `requests` times, by `concurrency` clients."""
+    def each(self, files: int, concurrency: int) -> tuple[list[dict], float]:
+        """Every one of `files` files once, by `concurrency` clients."""
         k = self.procs
-        each = [concurrency // k + (i < concurrency % k) for i in range(k)]
-        if isinstance(files, int):
-            return self.split("closed", [list(range(i, files, k)) for i in range(k)], [(c, 0) for c in each])
-        counts = [requests // k + (i < requests % k) for i in range(k)]
-        return self.split("closed", [files] * k, [(c, n) for c, n in zip(each, counts)])
+        return self.split("each", [(list(range(i, files, k)), c) for i, c in enumerate(_shares(concurrency, k))])
+
+    def repeat(self, body: bytes, requests: int, concurrency: int) -> tuple[list[dict], float]:
+        """One body `requests` times, by `concurrency` clients."""
+        k = self.procs
+        return self.split("repeat", [(body, n, c) for n, c in zip(_shares(requests, k), _shares(concurrency, k))])
 
     def poisson(self, rate: float, seconds: float) -> list[dict]:
-        return self.split("poisson", [(rate / self.procs, seconds)] * self.procs, [None] * self.procs)[0]
+        return self.split("poisson", [(rate / self.procs, seconds)] * self.procs)[0]
 
 
 def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
@@ -277,11 +287,11 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
     load = Load(url, files, args.clients, held + 4 * args.concurrency, args.seed)
     try:
         record: dict = {"clients": args.clients}
-        record["lone"] = latency(load.one("lone", lone, args.lone))
+        record["lone"] = latency(load.one("lone", (lone, args.lone)))
         print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
 
         cpu, clients, stages = thread_cpu(server.proc.pid), load.cpu(), _stage_seconds(server)
-        results, wall = load.closed(len(files), args.concurrency)
+        results, wall = load.each(len(files), args.concurrency)
         sat = len(files) / wall
         record["saturation"] = dict(latency(results), wall_s=round(wall, 2), images_per_s=round(sat, 2),
                                     concurrency=args.concurrency,
@@ -307,7 +317,7 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
 
         before = {k: server.metric("glmvit_cache_requests_total", result=k) for k in ("hit", "miss", "shared")}
         same = Bodies(lone + b"cache", "image/jpeg").next()  # bytes no earlier request sent
-        results, wall = load.closed(same, args.concurrency, args.cache_requests)
+        results, wall = load.repeat(same, args.cache_requests, args.concurrency)
         after = {k: server.metric("glmvit_cache_requests_total", result=k) - before[k] for k in before}
         hits = [r for r in results if r.get("cache") == "hit"]
         record["cache"] = dict(latency(results), requests_per_s=round(len(results) / wall, 2), hits=len(hits),
