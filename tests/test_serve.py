@@ -295,30 +295,32 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
     flood, cap = 48, 4
 
     async def timed(client: httpx.AsyncClient, url: str, body: bytes):
-        t0 = time.perf_counter()
         try:
             r = await client.post(url, content=body)
         except httpx.HTTPError as exc:  # a reset or hung connection: counted, then failed below
-            return type(exc).__name__, time.perf_counter() - t0, None
-        return r.status_code, time.perf_counter() - t0, r
+            return type(exc).__name__, time.perf_counter(), None
+        return r.status_code, time.perf_counter(), r
 
     async def main(server):
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=flood)) as client:
             busy = await occupy_engine(client, server, seed=70)
+            busy_done: list[float] = []
+            busy.add_done_callback(lambda _: busy_done.append(time.perf_counter()))
             image = png(64, seed=71)
             answers = await asyncio.gather(*(timed(client, f"{server.url}/embed", image) for _ in range(flood)))
-            return answers, await busy
+            busy_answer = await busy
+            return answers, busy_answer, busy_done[0]
     with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2") as server:
         assert httpx.get(f"{server.url}/info").json()["limits"]["max_requests"] == cap
-        answers, busy = asyncio.run(main(server))
+        answers, busy, busy_answered = asyncio.run(main(server))
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert server.metric("glmvit_requests_total", route="/embed", status="429") == flood - (cap - 1)
     statuses = [status for status, _, _ in answers]
     assert sorted(set(statuses), key=str) == [200, 429], statuses
     assert statuses.count(200) == cap - 1 and busy.status_code == 200  # the cap, the busy request included
-    for status, seconds, r in answers:
-        if status == 429:  # at once: the busy forward alone takes ~1.7 s
-            assert seconds < 1.0 and error_of(r).startswith("overloaded: the server holds 4 requests (max 4)")
+    for status, answered, r in answers:
+        if status == 429:  # at once: before the busy forward (~1.7 s, longer on a loaded machine) ends
+            assert answered < busy_answered and error_of(r).startswith("overloaded: the server holds 4 requests (max 4)")
     assert len({r.content for status, _, r in answers if status == 200}) == 1
 
 
