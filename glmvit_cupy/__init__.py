@@ -2,7 +2,7 @@
 
 The package by layer, from the ground up: a module imports only from its own folder and from what
 stands above it here, so a folder or a file knows nothing of what comes after it (tests/test_packaging.py
-holds this map to the files):
+holds this map to the files, to each folder's docstring and to every import):
 
 glmvit_cupy/
   errors            GlmVitError and the other exceptions users see

@@ -1,7 +1,7 @@
 """The package as installed and as built: an installed (non-editable) copy must find every
 cuda_src/ file the loader pastes together, and every folder; the version is written once; the
-package docstring's map names every module in its folder; no module imports one that imports it
-back."""
+package docstring's map names every module in its folder and orders the layers; no import points
+up them, and no module imports one that imports it back."""
 
 from __future__ import annotations
 
@@ -130,6 +130,37 @@ def test_the_package_map_lists_every_module_once():
     listed = [module for module, _, _ in package_map()]
     assert len(listed) == len(set(listed))
     assert sorted(listed) == sorted(set(MODULES) - {"__init__"})
+
+
+def test_each_folder_says_in_the_map_what_its_docstring_says():
+    """A folder's line in the map is the first line of its __init__.py's docstring (its period
+    dropped), so the map cannot tell a folder's purpose otherwise than the folder does."""
+    folders = [(module, text) for module, folder, text in package_map() if MODULES[module].name == "__init__.py"]
+    assert folders
+    for folder, text in folders:
+        docstring = ast.get_docstring(ast.parse(MODULES[folder].read_text()))
+        assert docstring is not None, f"glmvit_cupy/{folder}/__init__.py opens with no docstring"
+        assert docstring.split("\n")[0] == text + ".", f"glmvit_cupy/{folder}/: the map says {text!r}"
+
+
+def test_the_imports_point_down_the_layers():
+    """The map's order is the layers', from the ground up: a root module or a folder imports only what
+    stands above it in the map, a module in a folder also its folder's other modules; the package's
+    face (__init__.py) stands with the highest of the names it hands on. Function-level imports
+    count: a layer that imports up only where a function runs still knows what stands above it."""
+    rank, folder_of = {}, {}
+    for position, (module, folder, _) in enumerate(package_map()):
+        rank[module] = rank[folder] if folder else position
+        folder_of[module] = folder
+    unplaced = sorted(set(MODULES) - set(rank) - {"__init__"})
+    assert not unplaced, f"not in the package docstring's map, so on no layer: {unplaced}"
+    imports = {name: module_imports(path) for name, path in MODULES.items()}
+    rank["__init__"] = max(rank[module] for module in imports["__init__"])
+    wrong = [f"glmvit_cupy/{MODULES[module].relative_to(PACKAGE)} imports glmvit_cupy.{imported}"
+             for module, imported_set in sorted(imports.items()) if module != "__init__"
+             for imported in sorted(imported_set)
+             if not (rank[imported] < rank[module] or folder_of[module] and folder_of[module] == folder_of.get(imported))]
+    assert not wrong, "imports up the layers of the package docstring's map: " + "; ".join(wrong)
 
 
 def test_the_readme_layout_is_the_package_docstrings_map():
