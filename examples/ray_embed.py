@@ -1,4 +1,4 @@
-"""Embed images and tar shards on a Ray cluster into our shard format (glmvit_cupy.ray).
+"""Embed images and tar shards on a Ray cluster into our shard format (glmvit_cupy.deploy.ray).
 
 Every node must see the inputs, the model and OUT at the same paths (a shared file system).
 The driver lists the inputs (as `glmvit-cupy encode` does); decode tasks read, decode and
@@ -8,7 +8,7 @@ only what is missing is embedded. Without GPUs in the cluster the actors run the
 backend on the CPU (slow), and the command says so. Read the result as one collection:
 
     from glmvit_cupy import read_embeddings
-    from glmvit_cupy.ray import parts
+    from glmvit_cupy.deploy.ray import parts
     for record, arrays in read_embeddings(parts("embs/")): ...
 """
 
@@ -20,13 +20,13 @@ import time
 
 import ray
 
+from glmvit_cupy.collection.pipeline import DEFAULT_OUTPUT, OUTPUTS
+from glmvit_cupy.collection.shards import DEFAULT_SHARD_SIZE, FAILURES, read_records, record_key
+from glmvit_cupy.collection.sources import IMAGE_EXTENSIONS, expand_inputs
+from glmvit_cupy.collection.staging import DEFAULT_DTYPE, DTYPES
+from glmvit_cupy.deploy.ray import DEFAULT_BATCH_SIZE, ShardSink, cluster_plan, embed, parts, rows_of
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.model import KERNELS
-from glmvit_cupy.pipeline import DEFAULT_OUTPUT, OUTPUTS
-from glmvit_cupy.ray import DEFAULT_BATCH_SIZE, ShardSink, cluster_plan, embed, parts, rows_of
-from glmvit_cupy.shards import DEFAULT_SHARD_SIZE, FAILURES, read_records, record_key
-from glmvit_cupy.sources import IMAGE_EXTENSIONS, expand_inputs
-from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
 
 EXAMPLES = """examples:
   python examples/ray_embed.py ~/photos --model ckpt --out-dir embs/

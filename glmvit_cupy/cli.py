@@ -19,17 +19,17 @@ import click
 import numpy as np
 
 from glmvit_cupy.batcher import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_MS, DEFAULT_TIMEOUT_S
-from glmvit_cupy.encoder_cache import DEFAULT_CACHE_BYTES
+from glmvit_cupy.collection.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
+from glmvit_cupy.collection.shards import DEFAULT_SHARD_SIZE
+from glmvit_cupy.collection.sources import IMAGE_EXTENSIONS
+from glmvit_cupy.collection.staging import DEFAULT_DTYPE, DTYPES
+from glmvit_cupy.deploy.encoder_cache import DEFAULT_CACHE_BYTES
 from glmvit_cupy.errors import GlmVitError
-from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
-from glmvit_cupy.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
-from glmvit_cupy.shards import DEFAULT_SHARD_SIZE
-from glmvit_cupy.sources import IMAGE_EXTENSIONS
-from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
-from glmvit_cupy.video import VIDEO_EXTENSIONS
-from glmvit_cupy.weights import BLOCK_TENSORS, NON_BLOCK_TENSORS, parameter_count, tensor_count
-from glmvit_cupy.writer import write_atomic
+from glmvit_cupy.processor.video import VIDEO_EXTENSIONS
+from glmvit_cupy.tower.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
+from glmvit_cupy.tower.weights import BLOCK_TENSORS, NON_BLOCK_TENSORS, parameter_count, tensor_count
+from glmvit_cupy.tower.writer import write_atomic
 
 PAYLOAD_LIMIT = 32 * 2**20  # serve --payload-limit: a large photo as base64 JSON, with room
 MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
@@ -173,11 +173,11 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     the exit status non-zero; the rest are encoded.
     """
     from glmvit_cupy import GlmVit, load_geometry
+    from glmvit_cupy.collection.pipeline import Decoder, check_collection_settings
+    from glmvit_cupy.collection.sources import expand_inputs
     from glmvit_cupy.hub import resolve_model
-    from glmvit_cupy.pipeline import Decoder, check_collection_settings
-    from glmvit_cupy.preprocess import processor_config
-    from glmvit_cupy.sources import expand_inputs
-    from glmvit_cupy.video import check_video_config, video_config
+    from glmvit_cupy.processor.preprocess import processor_config
+    from glmvit_cupy.processor.video import check_video_config, video_config
 
     if (out_path is None) == (out_dir is None):
         raise GlmVitError("give exactly one of --out FILE (a few images) and --out-dir DIR (a collection)")
@@ -185,7 +185,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         raise GlmVitError("--devices applies to --out-dir collections; --out encodes a few images on one engine")
     device_list = None
     if devices is not None:
-        from glmvit_cupy.devices import parse_devices
+        from glmvit_cupy.deploy.devices import parse_devices
         device_list = parse_devices(devices)
     if not inputs and files_from is None:
         raise GlmVitError("no inputs: name image or video files, directories, patterns or .tar shards, or "
@@ -221,7 +221,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
             vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, kernels=kernels,
                                          **budget)
         else:
-            from glmvit_cupy.devices import EngineGroup
+            from glmvit_cupy.deploy.devices import EngineGroup
             vit = group = EngineGroup(directory, device_list, backend, max_pixels, processor, OUTPUTS[which],
                                       dtype or DEFAULT_DTYPE, kernels, video)
         if vit.backend_note and vit.backend == "numpy":
@@ -250,7 +250,7 @@ def _check_single_output(out_path: Path, which: str, dtype: str | None, images: 
 
 def _encode_to_file(vit, sources, out_path: Path, which: str, decoder, processor) -> None:
     """A few images into one .npy/.npz, in memory; the first failure is the error."""
-    from glmvit_cupy.pipeline import stream
+    from glmvit_cupy.collection.pipeline import stream
 
     results = []
     for result in stream(vit, sources, outputs=OUTPUTS[which], dtype="float32", processor=processor,
@@ -281,7 +281,7 @@ def _encode_videos(sources: list, model_dir: str, out_path: Path, backend: str, 
     source's rate). The token budget options set the whole video's."""
     from glmvit_cupy import GlmVit
     from glmvit_cupy.hub import resolve_model
-    from glmvit_cupy.video import video_config
+    from glmvit_cupy.processor.video import video_config
 
     if out_path.suffix.lower() != ".npz" or dtype is not None:
         raise GlmVitError(f"{out_path}: videos go into a float32 .npz (rows, grid_thw and timestamps a video)")
@@ -315,8 +315,8 @@ def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_si
                    fail_fast: bool, quiet: bool, group) -> None:
     """A collection into resumable shards, with progress and a summary line; `group` (--devices)
     is the stager of its engine processes."""
-    from glmvit_cupy.pipeline import encode_collection
-    from glmvit_cupy.progress import Progress
+    from glmvit_cupy.collection.pipeline import encode_collection
+    from glmvit_cupy.collection.progress import Progress
 
     unit = "inputs" if any(source.kind == "video" for source in sources) else "images"  # a video is not an image
     progress = Progress(quiet, unit=unit)
@@ -358,12 +358,12 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
     options set both, as encode does)."""
     from PIL import Image
 
-    from glmvit_cupy.checkpoint import locate_tower
-    from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.gpu.scratch import scratch_plan
     from glmvit_cupy.hub import resolve_model
-    from glmvit_cupy.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
-    from glmvit_cupy.scratch import scratch_plan
-    from glmvit_cupy.video import check_video_config, video_config, video_config_file
+    from glmvit_cupy.processor.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
+    from glmvit_cupy.processor.video import check_video_config, video_config, video_config_file
+    from glmvit_cupy.tower.checkpoint import locate_tower
+    from glmvit_cupy.tower.geometry import patch_budget
 
     directory = resolve_model(model_dir)
     loc = locate_tower(directory)
@@ -462,8 +462,8 @@ def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> N
     GLM-5.3-Flash export, plus text-stack decoy tensors the binder must skip. For tests,
     benchmarks and first runs where the real weights are not at hand.
     """
-    from glmvit_cupy.checkpoint import locate_tower
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.tower.checkpoint import locate_tower
+    from glmvit_cupy.tower.synthetic import write_checkpoint
 
     out = write_checkpoint(directory, geometry, seed, replace=force)
     loc = locate_tower(out)
@@ -529,7 +529,7 @@ def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, ma
     the sha256 of the image bytes. Each request is one line on stderr.
     """
     try:
-        from glmvit_cupy import serve as server
+        from glmvit_cupy.deploy import serve as server
     except ImportError as exc:
         if exc.name not in ("starlette", "uvicorn", "prometheus_client"):
             raise
@@ -558,9 +558,9 @@ def _engines(directory: Path, backend: str, devices: str | None, max_pixels: int
              min_image_tokens: int | None, max_image_tokens: int | None) -> list:
     """One GlmVit, or with --devices one a device over one read of the tower."""
     from glmvit_cupy import GlmVit
-    from glmvit_cupy.checkpoint import bind_checkpoint
-    from glmvit_cupy.devices import all_devices, parse_devices
-    from glmvit_cupy.preprocess import processor_config
+    from glmvit_cupy.deploy.devices import all_devices, parse_devices
+    from glmvit_cupy.processor.preprocess import processor_config
+    from glmvit_cupy.tower.checkpoint import bind_checkpoint
 
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     if devices is None:
@@ -602,12 +602,12 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, ke
     mlp_sublayer (norm, gate|up GEMM, SwiGLU, down GEMM), merger.
     """
     from glmvit_cupy import GlmVit, load_geometry, preprocess
-    from glmvit_cupy.benchmark import cublas_peak, time_engine
-    from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.gpu.benchmark import cublas_peak, time_engine
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
-    from glmvit_cupy.preprocess import processor_config
-    from glmvit_cupy.synthetic import photo_like
+    from glmvit_cupy.processor.preprocess import processor_config
+    from glmvit_cupy.tower.geometry import patch_budget
+    from glmvit_cupy.tower.synthetic import photo_like
 
     ok, why = gpu_available()
     if not ok:

@@ -23,8 +23,8 @@ pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 
 import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
-from glmvit_cupy.checkpoint import locate_tower  # noqa: E402
-from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
+from glmvit_cupy.tower.checkpoint import locate_tower  # noqa: E402
+from glmvit_cupy.tower.synthetic import write_checkpoint  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess  # noqa: E402
 from test_cli import assert_clean_failure, run  # noqa: E402
@@ -379,7 +379,7 @@ def test_over_the_budget_or_non_finite_is_422_and_the_server_serves_on(tmp_path)
 # In the server process: a GPU fault (the error faults.synchronize raises) in the forward of any batch
 # holding a 56 x 560 image; everything else computes.
 _FAULT_ON_56X560 = """
-import glmvit_cupy.staging as staging
+import glmvit_cupy.collection.staging as staging
 from glmvit_cupy.errors import GlmVitError
 real = staging.NumpyStager.submit
 def submit(self, canvases, *rest):
@@ -435,8 +435,9 @@ def test_port_in_use_and_missing_extra_are_one_line(tiny_ckpt):
 
 
 def test_nothing_else_imports_the_server():
-    code = ("import sys, cli, glmvit_cupy, glmvit_cupy.pipeline, glmvit_cupy.devices, glmvit_cupy.encoder_cache; "
-            "print(json.dumps(sorted(m for m in ('glmvit_cupy.serve', 'starlette', 'uvicorn', 'prometheus_client') "
+    code = ("import sys, cli, glmvit_cupy, glmvit_cupy.collection.pipeline, glmvit_cupy.deploy.devices, "
+            "glmvit_cupy.deploy.encoder_cache; print(json.dumps(sorted(m for m in ('glmvit_cupy.deploy.serve', "
+            "'starlette', 'uvicorn', 'prometheus_client') "
             "if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
