@@ -173,6 +173,7 @@ def test_client_errors_are_one_line_each(server):
         (httpx.post(f"{url}/v1/embeddings", json={"input": []}), 400, "non-empty list"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "x", "dimensions": 3}), 400, "unknown field(s) dimensions"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "data:image/png;base64,@@"}), 400, "base64"),
+        (httpx.post(f"{url}/v1/embeddings", json={"input": "data:image/png;base64,QUJ\u00e9"}), 400, "base64"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "data:text/plain;base64,QQ=="}), 400, "data:image/"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "x", "model": "other"}), 400, "this server serves"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "x", "encoding_format": "hex"}), 400, "encoding_format"),

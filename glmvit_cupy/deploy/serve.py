@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import contextlib
 import dataclasses
 import io
@@ -322,7 +321,7 @@ class Service:
         if found is not None:
             try:
                 return where, base64.b64decode(found.group(1), validate=True)
-            except binascii.Error as exc:
+            except ValueError as exc:  # binascii.Error, or a character outside ASCII
                 raise HttpError(400, f"{where}: the data URL's base64 does not decode: {exc}") from None
         if item.startswith("data:"):
             raise HttpError(400, f"{where}: a data URL must read data:image/<type>;base64,<bytes>")
