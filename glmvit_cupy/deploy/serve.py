@@ -55,7 +55,7 @@ from ..tower.synthetic import photo_like
 from ..tower.writer import flat_bytes, safetensors_chunks
 from .encoder_cache import HIT, EncoderCache, image_digest
 
-log = logging.getLogger("glmvit_cupy.serve")
+log = logging.getLogger(__name__)
 
 WARMUP_SIDE = 448  # pixels of the warm-up photograph's sides, unless the budget (--max-pixels) is smaller
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
