@@ -28,6 +28,7 @@ from glmvit_cupy.collection.sources import IMAGE_EXTENSIONS, expand_inputs
 from glmvit_cupy.collection.staging import DEFAULT_DTYPE, DTYPES
 from glmvit_cupy.deploy.ray import DEFAULT_BATCH_SIZE, ShardSink, cluster_plan, embed, parts, rows_of
 from glmvit_cupy.errors import GlmVitError
+from glmvit_cupy.model import BACKENDS
 
 EXAMPLES = """\b
 Examples:
@@ -60,7 +61,7 @@ listed with its reason in OUT/failures.jsonl, as encode lists them) or on an err
                    "one for the write tasks]")
 @click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True,
               help="Images an actor call.")
-@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(list(BACKENDS)), default="auto", show_default=True,
               help="The actors' backend; auto: cupy when they hold GPUs, else numpy.")
 @output_option
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_DTYPE, show_default=True,

@@ -25,7 +25,7 @@ from glmvit_cupy.collection.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.collection.staging import DEFAULT_DTYPE, DTYPES
 from glmvit_cupy.deploy.encoder_cache import DEFAULT_CACHE_BYTES
 from glmvit_cupy.errors import GlmVitError
-from glmvit_cupy.model import KERNELS
+from glmvit_cupy.model import BACKENDS, KERNELS
 from glmvit_cupy.processor.video import VIDEO_EXTENSIONS
 from glmvit_cupy.tower.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.tower.weights import BLOCK_TENSORS, NON_BLOCK_TENSORS, parameter_count, tensor_count
@@ -95,7 +95,7 @@ def processor_options(command: Callable) -> Callable:
 
 # Options several commands (and examples/ray_embed.py) take, each written once.
 model_option = click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
-backend_option = click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto",
+backend_option = click.option("--backend", type=click.Choice(list(BACKENDS)), default="auto",
                               show_default=True, help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
 kernels_option = click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
                               help="The GPU engines' kernels: auto takes the Hopper ones on sm_90, else the generic "
