@@ -29,6 +29,7 @@ import json
 import os
 import queue
 import signal
+import struct
 import threading
 import time
 from collections import deque
@@ -39,7 +40,7 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 import numpy as np
 
 from . import clips
-from ..errors import GlmVitError
+from ..errors import GlmVitError, InternalError
 from ..processor.preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
 from ..processor.video import VideoConfig, check_video_config
 from ..tower.geometry import GlmVitGeometry, check_patch_budget, patch_budget
@@ -122,12 +123,54 @@ def _start(item: Any, config: Config) -> Iterator[Any]:
         yield from steps  # a fault here is the caller's to catch: the frames before it are gone already
 
 
+# Pixels cross from a decode worker as raw bytes after the rest (a pickled array costs two more
+# copies of it: a third of a lone request's time), in messages of their own: an 8-byte length,
+# then the bytes, which the parent reads with os.readv straight into their array, without the
+# GIL. Connection.recv_bytes_into reads a message into a BytesIO in chunks and copies it out,
+# holding the GIL for both copies: ~500 MiB/s against ~2,500 MiB/s on a 2-core CPU, where a
+# video collection moves GBs of frames through the parent (benchmarks/NOTES.md, issue 26).
+_PIXELS_HEAD = struct.Struct("!Q")
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _send_pixels(conn: Any, pixels: np.ndarray | bytes) -> None:
+    """One pixel message (b"": the empty one, which says decoding failed part way)."""
+    data = memoryview(pixels).cast("B")
+    _write_all(conn.fileno(), memoryview(_PIXELS_HEAD.pack(len(data))))
+    _write_all(conn.fileno(), data)
+
+
+def _read_into(fd: int, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError("the decode worker's connection closed inside a message")
+        got += n
+
+
+def _recv_pixels(conn: Any, out: np.ndarray) -> int:
+    """One pixel message read into `out` (contiguous uint8), which it must fill; its size in
+    bytes (0: the empty message)."""
+    head = bytearray(_PIXELS_HEAD.size)
+    _read_into(conn.fileno(), memoryview(head))
+    (size,) = _PIXELS_HEAD.unpack(head)
+    if size and size != out.nbytes:
+        raise InternalError(f"a decode worker sent {size} bytes of pixels where {out.nbytes} were expected")
+    if size:
+        _read_into(conn.fileno(), memoryview(out).cast("B"))
+    return size
+
+
 def _decode_worker(conn: Any) -> None:
     """A decode worker process (workers.Child): (input, settings) in, Prepared out, until the
-    parent closes the connection. Pixels travel as raw bytes after the rest (a pickled array
-    costs two more copies of it: a third of a lone request's time): an image's canvas in one
-    message, a video's frames one a message as they are decoded, then an empty message and
-    the reason if decoding fails part way."""
+    parent closes the connection. Pixels follow the rest as pixel messages (_send_pixels): an
+    image's canvas in one, a video's frames one a message as they are decoded, then an empty
+    message and the reason if decoding fails part way."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     while True:
         try:
@@ -141,13 +184,13 @@ def _decode_worker(conn: Any) -> None:
         pixels, prepared.canvas = prepared.canvas, None
         conn.send((prepared, shape if pixels is None else pixels.shape))
         if pixels is not None:
-            conn.send_bytes(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+            _send_pixels(conn, np.ascontiguousarray(pixels))
         elif shape is not None:
             try:
                 for frame in steps:
-                    conn.send_bytes(memoryview(frame).cast("B"))
+                    _send_pixels(conn, frame)
             except (GlmVitError, MemoryError) as exc:
-                conn.send_bytes(b"")
+                _send_pixels(conn, b"")
                 conn.send(_reason(item, exc))
 
 
@@ -159,7 +202,7 @@ def _receive_prepared(conn: Any, budget: FrameBudget | None = None, ticket: Any 
         return prepared
     pixels = np.empty(shape, dtype=np.uint8)
     if prepared.video is None:
-        conn.recv_bytes_into(pixels.reshape(-1))  # flat: a 3-D view's len() is its height
+        _recv_pixels(conn, pixels)
         prepared.canvas = pixels
         return prepared
     if budget is not None:
@@ -167,7 +210,7 @@ def _receive_prepared(conn: Any, budget: FrameBudget | None = None, ticket: Any 
         prepared.held = pixels.nbytes
     try:
         for row in pixels.reshape(len(pixels), -1):  # a frame a message
-            if conn.recv_bytes_into(row) == 0:  # decoding failed part way: the reason follows
+            if _recv_pixels(conn, row) == 0:  # decoding failed part way: the reason follows
                 return Prepared(None, conn.recv(), prepared.nbytes, prepared.sha256, prepared.decode_s)
         prepared.canvas = pixels
         return prepared
