@@ -31,6 +31,7 @@ from glmvit_cupy.processor.preprocess import ProcessorConfig
 from glmvit_cupy.processor.video import VideoConfig, video_config
 from glmvit_cupy.tower.checkpoint import read_header
 from glmvit_cupy.tower.synthetic import write_checkpoint
+from test_batcher import _decode_children
 from test_pipeline import CLI as CLI_ARGS, make_images, records, run
 from test_video import write_audio_only, write_clip
 
@@ -443,3 +444,36 @@ decoder.close()
     print(f"long clip: main's VmHWM grew {grown_kib >> 10} MiB; frames {frame_bytes >> 20} MiB; budget peak "
           f"{budget_peak >> 20} MiB; short: {lines['short']}")
     assert grown_kib << 10 < budget + (16 << 20) < frame_bytes // 2
+
+
+def test_a_worker_killed_mid_video_fails_that_video_alone(collection, tmp_path):
+    """A decode worker SIGKILLed after its video's first groups went to the packer: the video's
+    groups end with the reason (it cannot be retried, its groups are packed already), the
+    worker is replaced, the next input decodes as in this thread, and the budget is whole."""
+    clip = write_clip(tmp_path / "long.mp4", 1800, 30, 120, 160, "libx264", seed=45)
+    image = sorted((collection / "img").glob("*"))[0]
+    items = [Source(str(clip)), Source(str(image))]
+    config = VideoConfig(max_image_tokens=2000)
+    others = set(_decode_children(os.getpid()))  # pools of earlier tests, still open
+    decoder = Decoder(1, ProcessorConfig(), video=config)
+    budget = decoder.pool.budget
+    budget.limit = 1  # one group ahead of the packer: the worker is mid-video, not done
+    try:
+        prepared = decoder.map(items)
+        video = next(prepared)
+        groups = iter(video.groups)
+        first = next(groups)
+        video.groups.staged(first.nbytes)
+        (worker,) = [pid for pid in _decode_children(os.getpid()) if pid not in others]
+        os.kill(worker, signal.SIGKILL)
+        rest = list(groups)
+        for group in rest:
+            video.groups.staged(group.nbytes)
+        after = next(prepared)
+    finally:
+        decoder.close()
+    assert 1 + len(rest) < video.groups.count
+    assert video.groups.error == f"{clip}: its decode worker process died while decoding it (killed, or out of memory)"
+    want = Decoder(0, ProcessorConfig(), video=config).map(items[1:])
+    assert after.error is None and np.array_equal(after.canvas, next(want).canvas)
+    assert budget.held == 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -84,7 +84,7 @@ class FrameBudget:
     def __init__(self, limit: int = FRAME_BYTES_AHEAD) -> None:
         self.limit, self.held, self.peak = limit, 0, 0
         self._head: Any = None
-        self.released = False
+        self._released = False
         self.changed = threading.Condition()
 
     def head(self, ticket: Any) -> None:
@@ -93,10 +93,10 @@ class FrameBudget:
             self._head = ticket
             self.changed.notify_all()
 
-    def take(self, ticket: Any, nbytes: int, waited: Any = lambda: False) -> None:
+    def take(self, ticket: Any, nbytes: int, waited: Callable[[], bool] = lambda: False) -> None:
         """Room for `nbytes` of `ticket`'s frames; `waited()`: the pipeline waits for them."""
         with self.changed:
-            self.changed.wait_for(lambda: self.held + nbytes <= self.limit or self.released
+            self.changed.wait_for(lambda: self.held + nbytes <= self.limit or self._released
                                   or (ticket is self._head and waited()))
             self.held += nbytes
             self.peak = max(self.peak, self.held)
@@ -108,7 +108,7 @@ class FrameBudget:
 
     def release(self) -> None:
         with self.changed:
-            self.released = True
+            self._released = True
             self.changed.notify_all()
 
 

@@ -6,17 +6,20 @@
                resize, pad)
 
 Every stage is bounded: at most `window` inputs are being decoded or wait decoded (and at
-most clips.FRAME_BYTES_AHEAD of video frames beyond the input the packer waits for), two
-batches are on the engine, and results leave in input order as soon as the inputs before
-them are done, so memory does not grow with the collection. Workers hand over uint8 pixels:
-an image's canvas (preprocess.canvas), or a video's sampled frames on their canvas, streamed
-a frame at a time (clips.py); the engine patchifies them itself (staging.py). The packer
-deals in temporal groups (an image is one): a video whose groups do not fit the batch is cut
-between groups and continued in the next (exact: attention never crosses a group), and its
-pieces' rows are joined again in time order. Workers are processes (workers.Child: fresh
-interpreters that die with their parent): the decode is CPU-bound Python/PIL/FFmpeg, and a
-fork of a process that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's
-collection runs (`encode_collection`) are both built on `stream`.
+most clips.FRAME_BYTES_AHEAD of video frames received and not yet staged, but for a group of
+the video the packer waits for), two batches are on the engine, and results leave in input
+order as soon as the inputs before them are done, so memory does not grow with the collection
+nor with a video's length. Workers hand over uint8 pixels: an image's canvas
+(preprocess.canvas), or a video's sampled frames on their canvas, streamed a frame at a time
+(clips.py); the engine patchifies them itself (staging.py). The packer deals in temporal
+groups (an image is one) and takes a video's as they arrive: where a batch fills, the video is
+cut between groups and continued in the next (exact: attention never crosses a group). Its
+pieces' rows are joined again in time order, or, for a collection's shards, leave one batch's
+at a time (Part) and are written into the shard as they come. Workers are processes
+(workers.Child: fresh interpreters that die with their parent): the decode is CPU-bound
+Python/PIL/FFmpeg, and a fork of a process that holds a CUDA context is not safe.
+`GlmVit.encode_iter` and the CLI's collection runs (`encode_collection`) are both built on
+`stream`.
 """
 
 from __future__ import annotations
@@ -247,9 +250,10 @@ def _decode_child() -> Child:
 class DecodePool:
     """`workers` decode processes (workers.Child), each fed by a thread of its own that sends it
     one input at a time. A worker that dies (the OOM killer, a crash in a decoder) is replaced
-    and its input tried once more on the new one; if that one dies too, the input fails alone.
-    A future cancelled before its input reaches a worker costs nothing. `budget` bounds the
-    video frames received ahead of the pipeline (clips.FrameBudget)."""
+    and its input tried once more on the new one (a video only before its header: after it,
+    the video fails alone, its groups so far already packed); if that one dies too, the input
+    fails alone. A future cancelled before its input reaches a worker costs nothing. `budget`
+    bounds the video frames received and not yet staged (clips.FrameBudget)."""
 
     def __init__(self, workers: int) -> None:
         self.budget = FrameBudget()

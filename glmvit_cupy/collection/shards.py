@@ -13,10 +13,11 @@ header area sized for the largest numbers a header can hold (safetensors allows 
 spaces in the header), further outputs into side files appended at the end, so memory holds
 no more than one image's rows, or one forward batch's of a video: a video's rows come in
 pieces (`add_part`, then `add` with the last and its record), and a video whose record never
-comes (it failed later, or the run stopped) is cut off the files again. Then fsync and rename: first the .safetensors, then its
-.jsonl, which is what makes a shard count as done. A run killed at any moment leaves only
-whole shards and hidden `.*.tmp` files; the next run on the directory (holding a lock on it)
-removes those and any .safetensors without its .jsonl, and skips every input already done.
+comes (it failed later, or the run stopped) is cut off the files again. Then fsync and
+rename: first the .safetensors, then its .jsonl, which is what makes a shard count as done.
+A run killed at any moment leaves only whole shards and hidden `.*.tmp` files; the next run
+on the directory (holding a lock on it) removes those and any .safetensors without its
+.jsonl, and skips every input already done.
 Each shard's metadata records the settings it was made with, so a resume with other settings
 (model, dtype, outputs, processor) is refused instead of mixing embeddings.
 """
@@ -117,7 +118,7 @@ class ShardWriter:
         """One input: its metadata line (source fields) and its rows of each output (a video's
         after those of its add_part calls)."""
         try:
-            rows = self._write(arrays, f"{record.get('path')}")
+            rows = self._write(arrays, str(record.get("path")))
             shard = self.shard
             rows += shard.pending
             shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
