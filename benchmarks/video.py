@@ -28,10 +28,11 @@ and transformers; and the host memory of one long 1080p clip. Issue 26, item 5, 
    of the tree (sampled sum), as e2e.run_cli reads them. The clip's own cost is the main
    process's peak over the 10 s clip's run (what the CUDA libraries, the tower and the pinned
    slots cost, the same for both, is not counted; what the long clip adds is: its sampled
-   frames, held whole until its last group is staged, and its rows, held whole until the
-   shard writer takes them), plus the worker's peak; the target is held to that. The rows'
-   bytes are reported beside it (the shard's size: 234,000 bf16 rows of 4,096 for the
-   10-minute clip, ~1.8 GiB).
+   frames received and not yet staged, at most the frame budget's (clips.FRAME_BYTES_AHEAD)
+   and a few batches', and the rows of the batches not yet in the shard), plus the worker's
+   peak; the target is held to that. The rows' bytes are reported beside it (the shard's
+   size: 234,000 bf16 rows of 4,096 for the 10-minute clip, ~1.8 GiB, written a batch at a
+   time).
 6. A Markdown table on stdout; a JSON record (and the table) under benchmarks/results/.
 
     python benchmarks/video.py --model /tmp/glmvit-real                     # the H200 run, ~6 min
