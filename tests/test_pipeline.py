@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import termios
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
 from glmvit_cupy.collection.pipeline import Decoder, plan_batches, stream
-from glmvit_cupy.collection.shards import read_embeddings
+from glmvit_cupy.collection.shards import FORMAT, BackgroundWriter, ShardWriter, read_embeddings
 from glmvit_cupy.collection.sources import expand_inputs
 from glmvit_cupy.processor.preprocess import ProcessorConfig
 from glmvit_cupy.tower.synthetic import write_checkpoint
@@ -444,6 +445,49 @@ def test_a_full_disk_is_one_line_and_leaves_whole_shards(tmp_path, tiny):
     again = run("encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
                 "--workers", "1", "--shard-size", "5")
     assert again.returncode == 0 and "skipped 5" in again.stderr and len(records(out)) == 12
+
+
+def test_the_shard_writers_queue_is_bounded_in_bytes(tmp_path):
+    """A disk slower than the engine holds the feeding thread back once the queued rows reach the
+    bound (a call larger than it still passes alone), and every row still lands in order."""
+    width, rows = 64, 1024  # a call: 1024 rows x 64 float32 = 256 KiB
+    writer = ShardWriter(tmp_path, ["pooler_output"], "float32", width, 100, 0, {"format": FORMAT})
+    slow_disk = threading.Event()
+    write = writer.add_part
+    writer.add_part = lambda arrays: (slow_disk.wait(), write(arrays))
+    background = BackgroundWriter(writer, max_bytes=3 * rows * width * 4)
+    parts = [np.full((rows, width), i, np.float32) for i in range(12)]
+    fed = []
+
+    def feed():
+        for part in parts:
+            background.add_part({"pooler_output": part})
+            fed.append(part)
+        background.add({"path": "clip"}, {"pooler_output": parts[0][:1]}, [12, 1, 1])
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    time.sleep(0.5)
+    assert len(fed) == 3 and background.queued_bytes == 3 * parts[0].nbytes  # the fourth waits for the disk
+    slow_disk.set()
+    feeder.join(10)
+    assert not feeder.is_alive()
+    background.finish()
+    assert background.peak_bytes <= background.max_bytes
+    ((record, arrays),) = list(read_embeddings(tmp_path))
+    assert record["tokens"] == 12 * rows + 1
+    np.testing.assert_array_equal(arrays["pooler_output"], np.concatenate(parts + [parts[0][:1]]))
+
+    (tmp_path / "big").mkdir()
+    big = BackgroundWriter(ShardWriter(tmp_path / "big", ["pooler_output"], "float32", width, 100, 0,
+                                       {"format": FORMAT}), max_bytes=1)
+    adder = threading.Thread(target=big.add, args=({"path": "a"}, {"pooler_output": parts[1]}, [1, 32, 32]),
+                             daemon=True)
+    adder.start()
+    adder.join(10)
+    assert not adder.is_alive(), "a call over the bound, alone in the queue, waited for ever"
+    big.finish()
+    assert [r["path"] for r, _ in read_embeddings(tmp_path / "big")] == ["a"]
 
 
 def test_several_directories_read_as_one_collection(tmp_path, tiny):

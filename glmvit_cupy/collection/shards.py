@@ -27,10 +27,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import queue
 import re
 import struct
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -52,6 +52,7 @@ DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way
 # (made before videos were taken, or by a run that takes none, such as Ray's): it agrees with any.
 SETTINGS = ("format", "tower", "outputs", "dtype", "processor", "video_processor")
 _ONLY_WITH_VIDEOS = ("video_processor",)
+WRITE_QUEUE_BYTES = 512 * 2**20  # rows waiting for the disk: 64 photos' bf16 poolers, or 8 forward batches of a video
 _MAX_INT = 10 ** 20 - 1  # more digits than any int64 a header holds
 
 
@@ -246,23 +247,46 @@ class ShardWriter:
 
 class BackgroundWriter:
     """A ShardWriter on its own thread, so that disk writes and fsyncs (a shard of photos is
-    ~1 GB) never hold up the thread feeding the engine. The queue holds at most `depth` calls
-    (an image's rows, or a video's of one forward batch);
-    an error in the thread comes back on the next call."""
+    ~1 GB) never hold up the thread feeding the engine. Its queue is bounded in bytes, not calls:
+    a call is an image's rows or a video's of one forward batch (up to p_max / 4 rows), so a
+    bound in calls let a disk slower than the engine queue gigabytes of a long video's rows.
+    A call larger than the bound still goes in alone. An error in the thread comes back on the
+    next call."""
 
-    def __init__(self, writer: ShardWriter, depth: int = 64) -> None:
+    def __init__(self, writer: ShardWriter, max_bytes: int = WRITE_QUEUE_BYTES) -> None:
         self.writer, self.error = writer, None
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.max_bytes, self.queued_bytes, self.peak_bytes = max_bytes, 0, 0
+        self.jobs: deque[tuple[int, tuple | None]] = deque()
+        self.changed = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="glmvit-cupy shard writer", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while (job := self.queue.get()) is not None:
+        while True:
+            with self.changed:
+                while not self.jobs:
+                    self.changed.wait()
+                size, job = self.jobs[0]
+            if job is None:
+                return
             if self.error is None:
                 try:
                     job[0](*job[1:])
                 except BaseException as exc:  # kept for the feeding thread, which raises it
                     self.error = exc
+            with self.changed:  # the rows stay queued (and counted) until written
+                self.jobs.popleft()
+                self.queued_bytes -= size
+                self.changed.notify_all()
+
+    def _put(self, size: int, job: tuple | None) -> None:
+        with self.changed:
+            while self.jobs and self.queued_bytes + size > self.max_bytes:
+                self.changed.wait()
+            self.jobs.append((size, job))
+            self.queued_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.queued_bytes)
+            self.changed.notify_all()
 
     def _check(self) -> None:
         if self.error is not None:
@@ -270,18 +294,18 @@ class BackgroundWriter:
 
     def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
         self._check()
-        self.queue.put((self.writer.add, record, arrays, grid_thw))
+        self._put(sum(a.nbytes for a in arrays.values()), (self.writer.add, record, arrays, grid_thw))
 
     def add_part(self, arrays: dict[str, np.ndarray]) -> None:
         self._check()
-        self.queue.put((self.writer.add_part, arrays))
+        self._put(sum(a.nbytes for a in arrays.values()), (self.writer.add_part, arrays))
 
     def drop_part(self) -> None:
         self._check()
-        self.queue.put((self.writer.drop_part,))
+        self._put(0, (self.writer.drop_part,))
 
     def _drain(self) -> None:
-        self.queue.put(None)
+        self._put(0, None)
         self.thread.join()
 
     def finish(self) -> None:
