@@ -37,6 +37,7 @@ and transformers; and the host memory of one long 1080p clip. Issue 26, item 5, 
 
     python benchmarks/video.py --model /tmp/glmvit-real                     # the H200 run, ~6 min
     python benchmarks/video.py --model /tmp/glmvit-real --clips 4 --long-minutes 5 --hf-clips 2   # shorter
+    setsid python benchmarks/video.py --model /tmp/glmvit-real --prepare-only &          # the clips, ahead
     python benchmarks/video.py --model /tmp/glmvit-tiny --backend numpy --clips 2 --max-seconds 12 \\
         --long-minutes 0.5 --hf-clips 1                                      # CPU smoke run
 
@@ -219,6 +220,8 @@ def run(args: argparse.Namespace) -> None:
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         long_path, short_path = long_path.result(), short_path.result()
     print(f"long clip {long_path} ready at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    if args.prepare_only:
+        return
     files = [str(collection / e["name"]) for e in manifest["clips"]]
     shortest = min(manifest["clips"], key=lambda e: e["frames"] * e["width"] * e["height"])["name"]
     warmup = str(collection / shortest)
@@ -262,6 +265,9 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=int, default=120, help="the longest a clip may be (at least 10)")
     ap.add_argument("--long-minutes", type=float, default=10.0, help="length of the memory run's 1080p clip")
     ap.add_argument("--hf-clips", type=int, default=3, help="clips transformers runs on, spread over the collection")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="make the clips (step 1) and stop: a later run reuses them, so a device session can make "
+                         "them in the background while its GPU does other work")
     try:
         run(ap.parse_args())
     except GlmVitError as exc:
