@@ -1,0 +1,152 @@
+"""Where a saturated server holds the GIL, per image and by stage (issue 25): `glmvit-cupy serve`
+driven as benchmarks/serve.py's saturation step drives it, sampled meanwhile by py-spy with `--gil`
+(only the thread holding the GIL is recorded), each sample put in the stage its stack names.
+
+The server's one process carries every request's Python: parse, base64 decode, hashing, the hand-off
+to the decode workers, the batcher's threads, the answer's building and writes. Whatever of it holds
+the GIL runs one thread at a time, so its sum per image bounds the images a second one process can
+serve. On the NumPy backend the forward runs in the dispatcher thread (mostly BLAS, without the GIL);
+its GIL share is listed apart, as it stands for the GPU's kernel launches there.
+
+    python benchmarks/serve_gil.py --model /tmp/glmvit-wide --backend numpy --images 48 --py-spy /tmp/pyspy/bin/py-spy
+
+py-spy is a measuring tool, not a dependency of the package (`pip install --target DIR py-spy`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from PIL import Image
+
+from e2e import benchmark_main, load_collection  # puts the repo on sys.path
+from proctree import thread_cpu
+from serve import Bodies, Load, _busy, _stage_means, _stage_seconds, media_of, small_photos
+from serving import ServerProcess
+
+# (stage, markers): a sample is in the stage of the innermost frame its stack shares with a marker
+# ("function (path" prefixes, path relative to the package or the site-packages).
+STAGES = (
+    ("forward (NumPy tower; launches on a GPU)", ("NumpyTower.", "NumpyStager.submit")),
+    ("stager: canvases into the slot, launches", ("CupyStager.",)),
+    ("request body read + JSON parse", ("_read_body (", "_parse_embeddings (")),
+    ("base64 decode of the data URL", ("Service._input_bytes (",)),
+    ("sha256 + cache", ("image_digest (", "EncoderCache.")),
+    ("hand-off to/from decode workers", ("DecodePool.", "_receive_prepared (", "Decoder.submit (")),
+    ("batcher bookkeeping (submit, decoded, dispatch, collect)", ("Batcher.",)),
+    ("answer: rows out of the batch, GlmVitOutput", ("Batcher._answer (", "library_output (", "Pending.result (")),
+    ("answer: JSON + base64 build", ("_embeddings_parts (", "_base64_parts (", "DeviceBase64.")),
+    ("answer: writes to the socket", ("_PartsResponse.__call__ (", "RequestResponseCycle.send (")),
+    ("metrics + access log", ("Service.finish (", "Metrics.", "Histogram.", "Counter.", "Logger.")),
+)
+OTHER = "event loop, HTTP parsing, the rest"
+
+
+def stage_of(stack: list[str]) -> str:
+    for frame in reversed(stack):  # innermost first
+        for stage, markers in STAGES:
+            if any(frame.startswith(m) for m in markers):
+                return stage
+    return OTHER
+
+
+def read_samples(path: Path) -> tuple[Counter, Counter, dict[str, str]]:
+    """(samples by stage, samples by thread name, thread name by native id) of py-spy's raw output."""
+    stages: Counter = Counter()
+    threads: Counter = Counter()
+    names: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        tid, _, name = frames[0].partition(": ")
+        name = _thread_kind(name)
+        names[tid.removeprefix("thread (").rstrip(")")] = name
+        threads[name] += int(count)
+        stages[stage_of(frames[1:])] += int(count)
+    return stages, threads, names
+
+
+def _thread_kind(name: str) -> str:
+    """A thread's name without its number where a pool has many (to_thread's workers, decode feeders)."""
+    for pool in ("uvloop_", "asyncio_", "glmvit-decode-"):
+        if name.startswith(pool):
+            return pool.rstrip("_-") + " threads"
+    return name
+
+
+def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
+    _, everything = load_collection(args, collection)
+    files = small_photos(everything)
+    prelude = f"import sys; sys.setswitchinterval({args.switch_interval_ms / 1000})" if args.switch_interval_ms else ""
+    with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
+                       ready_s=600, prelude=prelude) as server:
+        load = Load(server.url, files, args.clients, args.concurrency + 4, args.seed)
+        try:
+            load.each(len(files), args.concurrency)  # warm: every grid seen once
+            median = sorted(files, key=lambda f: Image.open(f).size[0] * Image.open(f).size[1])[len(files) // 2]
+            same = Bodies(Path(median).read_bytes(), media_of(median)).next()
+            raw = Path(tempfile.mkdtemp()) / "gil.txt"
+            spy = subprocess.Popen([args.py_spy, "record", "--pid", str(server.proc.pid), "--gil", "--threads",
+                                    "--nonblocking", "-r", str(args.rate), "-f", "raw", "-o", str(raw)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(1.0)  # attached
+            cpu, t0, images, stages_before = thread_cpu(server.proc.pid), time.perf_counter(), 0, _stage_seconds(server)
+            for _ in range(args.passes):
+                if args.repeat:  # one image's bytes every time: cache hits (no decode, no forward)
+                    results, _ = load.repeat(same, args.repeat, args.concurrency)
+                else:
+                    results, _ = load.each(len(files), args.concurrency)
+                images += sum(r["status"] == 200 for r in results)
+            wall = time.perf_counter() - t0
+            after = thread_cpu(server.proc.pid)
+            stage_ms = _stage_means(stages_before, _stage_seconds(server))
+            busy = _busy(cpu, after, wall)
+            spy.send_signal(signal.SIGINT)
+            spy_log = spy.communicate(timeout=60)[1]
+        finally:
+            load.close()
+    if not raw.exists():
+        raise SystemExit(f"serve_gil: error: py-spy wrote nothing:\n{spy_log}")
+    stages, threads, names = read_samples(raw)
+    cpu_ms: Counter = Counter()  # CPU ms an image (user + system, with the GIL or without) by thread kind
+    for thread, seconds in after.items():
+        if thread != "tree":
+            tid = str(server.proc.pid) if thread == "main" else thread.removeprefix("thread ")
+            cpu_ms[names.get(tid, "unnamed (never sampled)")] += 1000 * (seconds - cpu.get(thread, 0.0)) / images
+    total = sum(stages.values())
+    spied = wall + 1.0  # py-spy ran from a second before the passes to their end
+    scale = 1000 / args.rate / images  # ms of GIL a sample stands for, per image
+    lines = [f"{images} {'cache hits' if args.repeat else 'images'} in {wall:.1f} s ({images / wall:.1f}/s), {args.concurrency} clients, backend "
+             f"{args.backend}; server process {busy['process_cores']} cores, tree {busy['tree_cores']}; py-spy "
+             f"{total} GIL samples at {args.rate} Hz over {spied:.1f} s ({total / args.rate / spied:.0%} of the time "
+             f"a thread held the GIL); the server's mean ms of {stage_ms}", "",
+             "| stage | GIL ms an image | share |", "| --- | --- | --- |"]
+    lines += [f"| {stage} | {n * scale:.2f} | {n / total:.0%} |" for stage, n in stages.most_common()]
+    lines += [f"| all | {total * scale:.2f} | 100% |", "", "| thread | GIL ms an image | CPU ms an image |",
+              "| --- | --- | --- |"]
+    lines += [f"| {thread} | {threads[thread] * scale:.2f} | {ms:.2f} |" for thread, ms in cpu_ms.most_common()]
+    print("\n".join(lines), flush=True)
+
+
+def options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--concurrency", type=int, default=16, help="clients of the closed loop")
+    ap.add_argument("--clients", type=int, default=2, help="client processes sharing the load")
+    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the photos while py-spy samples")
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="requests a pass of the median photo's bytes (cache hits) instead of each photo once")
+    ap.add_argument("--switch-interval-ms", type=float, default=0.0,
+                    help="the server's sys.setswitchinterval, ms [default: Python's, 5]")
+    ap.add_argument("--rate", type=int, default=1000, help="py-spy's samples a second")
+    ap.add_argument("--py-spy", default=os.environ.get("PY_SPY", "py-spy"), help="the py-spy executable")
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, run, ("h200-serve-gil.json", "cpu-serve-gil.json"), options)
