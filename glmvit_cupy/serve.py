@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import contextlib
 import dataclasses
 import io
 import json
 import logging
+import logging.handlers
 import math
+import queue
 import re
 import socket
+import sys
 import time
 import traceback
 import urllib.parse
@@ -62,9 +64,16 @@ WARMUP_SIDE = 448  # pixels of the warm-up photograph's sides, unless the budget
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
 B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time (host base64): 1 MiB of base64
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
+# The server process's GIL switch interval (Python's default: 5 ms). A thread that releases the GIL
+# for a moment (each CUDA launch and cuBLAS call of the engine's dispatcher, a socket read) waits
+# up to one interval to take it back whenever another thread is running Python: at 5 ms a forward's
+# hundreds of launches stretch the engine's work (the convoy; benchmarks/NOTES.md, serve-scale).
+SWITCH_INTERVAL_S = 0.00025
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
 _DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w.+-]+=[^;,]*)*;base64,(.*)", re.S)
+_B64_VALUES = np.full(256, 255, dtype=np.uint8)  # a base64 character's 6 bits; 255: not base64
+_B64_VALUES[np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", np.uint8)] = np.arange(64)
 _EMBEDDINGS_FIELDS = {"input", "model", "encoding_format", "output", "dtype"}
 _TIME_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60)
 
@@ -320,9 +329,9 @@ class Service:
         where = f"input {index}"
         found = _DATA_URL.fullmatch(item)
         if found is not None:
-            try:
-                return where, base64.b64decode(found.group(1), validate=True)
-            except binascii.Error as exc:
+            try:  # off the event loop, and mostly without the GIL (b64decode's C loop holds it)
+                return where, await asyncio.to_thread(b64decode, found.group(1))
+            except ValueError as exc:
                 raise HttpError(400, f"{where}: the data URL's base64 does not decode: {exc}") from None
         if item.startswith("data:"):
             raise HttpError(400, f"{where}: a data URL must read data:image/<type>;base64,<bytes>")
@@ -523,12 +532,25 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def run(vits: Sequence[Any], *, model: str, directory: Path, limits: Limits, sock: socket.socket) -> int:
-    """Serve until drained (0) or until the warm-up fails (1); logs a line a request on stderr."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
-    log.addHandler(handler)
+    """Serve until drained (0) or until the warm-up fails (1); logs a line a request on stderr. The
+    lines are written by a thread of their own: a write to stderr (a pipe a supervisor reads) would
+    stop the event loop, and under load wait for the GIL back after it."""
+    writer = logging.StreamHandler()
+    writer.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+    log.addHandler(logging.handlers.QueueHandler(lines))
     log.setLevel(logging.INFO)
     log.propagate = False
+    listener = logging.handlers.QueueListener(lines, writer)
+    listener.start()
+    try:
+        return _serve(vits, model, directory, limits, sock)
+    finally:
+        listener.stop()  # the lines queued are written first
+
+
+def _serve(vits: Sequence[Any], model: str, directory: Path, limits: Limits, sock: socket.socket) -> int:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is the server's: no other caller to disturb
     app = create_app(vits, model=model, directory=directory, limits=limits)
     service = app.state.service
     # uvicorn's own lines (startup banners, its access log) off: ours say it in one line each.
@@ -597,6 +619,31 @@ def _parse_embeddings(body: bytes, model: str) -> tuple[list[str], str, str, str
     _check_choice("output", output, OUTPUTS)
     _check_choice("dtype", dtype, DTYPES)
     return inputs, output, dtype, encoding
+
+
+def b64decode(text: str) -> bytes:
+    """`base64.b64decode(text, validate=True)` in NumPy, whose array operations release the GIL:
+    binascii holds it for the whole decode (a 700 KB photo's data URL: ~3 ms, at a few hundred MB/s)
+    while the server's other threads wait. ValueError, in one line, for what b64decode refuses:
+    a character outside the alphabet, a length that is not a multiple of 4, misplaced padding."""
+    if not text.isascii():
+        raise ValueError("a character outside the base64 alphabet")
+    raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    if raw.size % 4:
+        raise ValueError(f"{raw.size} characters: not a multiple of 4")
+    pad = 0 if not text.endswith("=") else 2 if text.endswith("==") else 1
+    values = _B64_VALUES.take(raw)
+    values[values.size - pad:] = 0  # the padding's place: zero bits, cut off below
+    if (values == 255).any():
+        at = int(np.argmax(values == 255))
+        raise ValueError(f"character {at} ({text[at]!r}) is not base64" if text[at] != "=" else
+                         f"padding '=' at character {at}, before the end")
+    quads = values.reshape(-1, 4)
+    out = np.empty((len(quads), 3), dtype=np.uint8)
+    np.bitwise_or(quads[:, 0] << 2, quads[:, 1] >> 4, out=out[:, 0])
+    np.bitwise_or(quads[:, 1] << 4, quads[:, 2] >> 2, out=out[:, 1])
+    np.bitwise_or(quads[:, 2] << 6, quads[:, 3], out=out[:, 2])
+    return out.reshape(-1)[:out.size - pad].tobytes()
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
 from glmvit_cupy.checkpoint import locate_tower  # noqa: E402
+from glmvit_cupy.serve import SWITCH_INTERVAL_S, b64decode  # noqa: E402
 from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess  # noqa: E402
@@ -173,6 +175,7 @@ def test_client_errors_are_one_line_each(server):
         (httpx.post(f"{url}/v1/embeddings", json={"input": []}), 400, "non-empty list"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "x", "dimensions": 3}), 400, "unknown field(s) dimensions"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "data:image/png;base64,@@"}), 400, "base64"),
+        (httpx.post(f"{url}/v1/embeddings", json={"input": "data:image/png;base64,QUJ\u00e9"}), 400, "base64"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "data:text/plain;base64,QQ=="}), 400, "data:image/"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "x", "model": "other"}), 400, "this server serves"),
         (httpx.post(f"{url}/v1/embeddings", json={"input": "x", "encoding_format": "hex"}), 400, "encoding_format"),
@@ -322,8 +325,26 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
     assert len({r.content for status, _, r in answers if status == 200}) == 1
 
 
+def test_the_data_url_decode_is_base64_b64decode_refusing_what_it_refuses():
+    """serve.b64decode (NumPy, off the GIL) against the standard library's strict decode."""
+    rng = np.random.default_rng(0)
+    for n in [*range(40), 3 * 2**16 + 1, 700_002]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert b64decode(base64.b64encode(data).decode()) == data
+    for bad in ["A", "AB=", "ABC=D", "A===", "AB=A", "A=B=", "====", "AB==AB==", "AB\nC", "ABC@", "ABC\u00e9",
+                " ABC", "QUJD-A=="]:
+        with pytest.raises(ValueError):  # binascii.Error, or (not ASCII) ValueError
+            base64.b64decode(bad, validate=True)
+        with pytest.raises(ValueError, match="base64|multiple of 4|padding"):
+            b64decode(bad)
+
+
 def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
-    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1")
+    """... and the process ran at the server's GIL switch interval, its log lines (written by a thread)
+    all out before it exited."""
+    at_exit = "import atexit, sys; atexit.register(lambda: print('switch interval', sys.getswitchinterval(), " \
+              "file=sys.stderr))"
+    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1", prelude=at_exit)
     try:
         assert {server.metric("glmvit_engine_images_total", engine=e) for e in ("0", "1")} == {1}  # the warm-ups
 
@@ -345,7 +366,10 @@ def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
         assert late.status_code == 503 and "draining" in error_of(late)
         assert [r.status_code for r in done] == [200] * 4
         assert server.proc.wait(30) == 0
+        server.stop()  # its stderr read to the end
         assert "Traceback" not in server.log()
+        assert len(re.findall(r"POST /embed 200 ", server.log())) == 4
+        assert server.lines[-1] == f"switch interval {SWITCH_INTERVAL_S}"
     finally:
         server.stop()
 
