@@ -25,7 +25,7 @@ pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
 from glmvit_cupy.checkpoint import locate_tower  # noqa: E402
-from glmvit_cupy.serve import SWITCH_INTERVAL_S, b64decode  # noqa: E402
+from glmvit_cupy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, b64decode, listen  # noqa: E402
 from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess  # noqa: E402
@@ -323,6 +323,15 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
         if status == 429:  # at once: the busy forward alone takes ~1.7 s
             assert seconds < 1.0 and error_of(r).startswith("overloaded: the server holds 4 requests (max 4)")
     assert len({r.content for status, _, r in answers if status == 200}) == 1
+
+
+def test_accepted_connections_send_through_the_servers_send_buffer():
+    """uvloop writes as much of an answer as the kernel takes while holding the GIL: the listener's
+    SO_SNDBUF bounds it, and what the server accepts inherits it (Linux doubles the value set)."""
+    with listen("127.0.0.1", 0) as sock, socket.create_connection(sock.getsockname()[:2]):
+        accepted, _ = sock.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * SEND_BUFFER_BYTES
 
 
 def test_the_data_url_decode_is_base64_b64decode_refusing_what_it_refuses():
