@@ -129,6 +129,26 @@ def test_device_base64_is_pythons_base64(tiny_ckpt):
     assert whole.encode(rows).tobytes() == base64.b64encode(rows.tobytes())
 
 
+def test_device_base64_lanes_encode_at_once_each_answer_its_own(tiny_ckpt):
+    """64 answers of different lengths from 16 threads on 2 lanes (a 3,000-byte chunk: several round
+    trips each, the lanes taken and given back many times): every text is its own array's, none mixed
+    with another's; no lane is refused in one line."""
+    import base64
+
+    from glmvit_cupy.device_base64 import DeviceBase64
+
+    vit = GlmVit.from_pretrained(tiny_ckpt, backend="cupy")
+    with pytest.raises(ValueError, match="lanes 0: must be at least 1"):
+        DeviceBase64(vit.tower.current, lanes=0)
+    encoder = DeviceBase64(vit.tower.current, chunk=3000, lanes=2)
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 256, int(n), dtype=np.uint8) for n in rng.integers(1, 20_000, 64)]
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(encoder.encode, arrays))
+    for i, (array, text) in enumerate(zip(arrays, texts)):
+        assert text.tobytes() == base64.b64encode(array.tobytes()), i
+
+
 def test_a_gpu_servers_base64_answer_is_its_raw_answer(tiny_ckpt):
     """`glmvit-cupy serve` on the GPU: the base64 in a /v1/embeddings answer (made by device_base64)
     decodes to the bytes /embed answers for the same image (safetensors, the same engine and grid)."""
