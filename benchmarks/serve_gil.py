@@ -9,14 +9,16 @@ serve. On the NumPy backend the forward runs in the dispatcher thread (mostly BL
 its GIL share is listed apart, as it stands for the GPU's kernel launches there.
 
     python benchmarks/serve_gil.py --model /tmp/glmvit-wide --backend numpy --images 48 --py-spy /tmp/pyspy/bin/py-spy
+    python benchmarks/serve_gil.py --model CKPT --images 1000 --concurrency 64 --clients 4 --passes 1 \\
+        --switch-interval-ms 5                     # the H200: an A/B of the server's GIL switch interval
 
-py-spy is a measuring tool, not a dependency of the package (`pip install --target DIR py-spy`).
+py-spy is a measuring tool, not a dependency of the package (`pip install --target DIR py-spy`);
+without --py-spy the run reports the rate, the threads' CPU and the stage means only.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import tempfile
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from e2e import benchmark_main, load_collection  # puts the repo on sys.path
+from e2e import benchmark_main, load_collection, save  # puts the repo on sys.path
 from proctree import thread_cpu
 from serve import Bodies, Load, _busy, _stage_means, _stage_seconds, media_of, small_photos
 from serving import ServerProcess
@@ -84,7 +86,9 @@ def _thread_kind(name: str) -> str:
 def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
     _, everything = load_collection(args, collection)
     files = small_photos(everything)
-    prelude = f"import sys; sys.setswitchinterval({args.switch_interval_ms / 1000})" if args.switch_interval_ms else ""
+    prelude = "" if args.switch_interval_ms is None else \
+        f"import glmvit_cupy.serve as s; s.SWITCH_INTERVAL_S = {args.switch_interval_ms / 1000}"
+    spy, raw = None, Path(tempfile.mkdtemp()) / "gil.txt"
     with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
                        ready_s=600, prelude=prelude) as server:
         load = Load(server.url, files, args.clients, args.concurrency + 4, args.seed)
@@ -92,11 +96,11 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
             load.each(len(files), args.concurrency)  # warm: every grid seen once
             median = sorted(files, key=lambda f: Image.open(f).size[0] * Image.open(f).size[1])[len(files) // 2]
             same = Bodies(Path(median).read_bytes(), media_of(median)).next()
-            raw = Path(tempfile.mkdtemp()) / "gil.txt"
-            spy = subprocess.Popen([args.py_spy, "record", "--pid", str(server.proc.pid), "--gil", "--threads",
-                                    "--nonblocking", "-r", str(args.rate), "-f", "raw", "-o", str(raw)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            time.sleep(1.0)  # attached
+            if args.py_spy:
+                spy = subprocess.Popen([args.py_spy, "record", "--pid", str(server.proc.pid), "--gil", "--threads",
+                                        "--nonblocking", "-r", str(args.rate), "-f", "raw", "-o", str(raw)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                time.sleep(1.0)  # attached
             cpu, t0, images, stages_before = thread_cpu(server.proc.pid), time.perf_counter(), 0, _stage_seconds(server)
             for _ in range(args.passes):
                 if args.repeat:  # one image's bytes every time: cache hits (no decode, no forward)
@@ -108,31 +112,41 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
             after = thread_cpu(server.proc.pid)
             stage_ms = _stage_means(stages_before, _stage_seconds(server))
             busy = _busy(cpu, after, wall)
-            spy.send_signal(signal.SIGINT)
-            spy_log = spy.communicate(timeout=60)[1]
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy_log = spy.communicate(timeout=60)[1]
+                if not raw.exists():
+                    raise SystemExit(f"serve_gil: error: py-spy wrote nothing:\n{spy_log}")
         finally:
             load.close()
-    if not raw.exists():
-        raise SystemExit(f"serve_gil: error: py-spy wrote nothing:\n{spy_log}")
-    stages, threads, names = read_samples(raw)
+    stages, threads, names = read_samples(raw) if spy is not None else (Counter(), Counter(), {})
     cpu_ms: Counter = Counter()  # CPU ms an image (user + system, with the GIL or without) by thread kind
     for thread, seconds in after.items():
         if thread != "tree":
             tid = str(server.proc.pid) if thread == "main" else thread.removeprefix("thread ")
-            cpu_ms[names.get(tid, "unnamed (never sampled)")] += 1000 * (seconds - cpu.get(thread, 0.0)) / images
-    total = sum(stages.values())
-    spied = wall + 1.0  # py-spy ran from a second before the passes to their end
+            name = names.get(tid, "main" if thread == "main" else "unnamed (never sampled)")
+            cpu_ms[name] += 1000 * (seconds - cpu.get(thread, 0.0)) / images
     scale = 1000 / args.rate / images  # ms of GIL a sample stands for, per image
-    lines = [f"{images} {'cache hits' if args.repeat else 'images'} in {wall:.1f} s ({images / wall:.1f}/s), {args.concurrency} clients, backend "
-             f"{args.backend}; server process {busy['process_cores']} cores, tree {busy['tree_cores']}; py-spy "
-             f"{total} GIL samples at {args.rate} Hz over {spied:.1f} s ({total / args.rate / spied:.0%} of the time "
-             f"a thread held the GIL); the server's mean ms of {stage_ms}", "",
-             "| stage | GIL ms an image | share |", "| --- | --- | --- |"]
-    lines += [f"| {stage} | {n * scale:.2f} | {n / total:.0%} |" for stage, n in stages.most_common()]
-    lines += [f"| all | {total * scale:.2f} | 100% |", "", "| thread | GIL ms an image | CPU ms an image |",
-              "| --- | --- | --- |"]
-    lines += [f"| {thread} | {threads[thread] * scale:.2f} | {ms:.2f} |" for thread, ms in cpu_ms.most_common()]
-    print("\n".join(lines), flush=True)
+    total = sum(stages.values())
+    record = dict(images=images, kind="cache hits" if args.repeat else "images", wall_s=round(wall, 2),
+                  per_s=round(images / wall, 2), concurrency=args.concurrency, backend=args.backend,
+                  switch_interval_ms=args.switch_interval_ms, server_cpu=busy, stage_mean_ms=stage_ms,
+                  gil_ms={stage: round(n * scale, 3) for stage, n in stages.most_common()},
+                  gil_held_share=round(total / args.rate / (wall + 1.0), 3) if spy is not None else None,
+                  thread_ms={t: dict(gil=round(threads[t] * scale, 3), cpu=round(ms, 3))
+                             for t, ms in cpu_ms.most_common()})
+    interval = "the server's" if args.switch_interval_ms is None else f"{args.switch_interval_ms:g} ms"
+    lines = [f"{images} {record['kind']} in {wall:.1f} s ({images / wall:.1f}/s), {args.concurrency} clients, backend "
+             f"{args.backend}, switch interval {interval}; server process "
+             f"{busy['process_cores']} cores, tree {busy['tree_cores']}; a thread held the GIL "
+             f"{record['gil_held_share']} of the time; the server's mean ms of {stage_ms}", ""]
+    if spy is not None:
+        lines += ["| stage | GIL ms an image | share |", "| --- | --- | --- |"]
+        lines += [f"| {stage} | {n * scale:.2f} | {n / total:.0%} |" for stage, n in stages.most_common()]
+        lines += [f"| all | {total * scale:.2f} | 100% |", ""]
+    lines += ["| thread | GIL ms an image | CPU ms an image |", "| --- | --- | --- |"]
+    lines += [f"| {t} | {v['gil']:.2f} | {v['cpu']:.2f} |" for t, v in record["thread_ms"].items()]
+    save(record, "\n".join(lines) + "\n", out)
 
 
 def options(ap: argparse.ArgumentParser) -> None:
@@ -142,10 +156,10 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--passes", type=int, default=2, help="passes over the photos while py-spy samples")
     ap.add_argument("--repeat", type=int, default=0,
                     help="requests a pass of the median photo's bytes (cache hits) instead of each photo once")
-    ap.add_argument("--switch-interval-ms", type=float, default=0.0,
-                    help="the server's sys.setswitchinterval, ms [default: Python's, 5]")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="the server's GIL switch interval, ms [default: serve.SWITCH_INTERVAL_S]")
     ap.add_argument("--rate", type=int, default=1000, help="py-spy's samples a second")
-    ap.add_argument("--py-spy", default=os.environ.get("PY_SPY", "py-spy"), help="the py-spy executable")
+    ap.add_argument("--py-spy", default="", help="the py-spy executable [default: none, no GIL samples]")
 
 
 if __name__ == "__main__":
