@@ -29,8 +29,8 @@ from helpers import photo_like, rel_err, run_transformers, transformers_tower  #
 
 import cupy  # noqa: E402
 from glmvit_cupy import GlmVit, preprocess  # noqa: E402
-from glmvit_cupy.benchmark import cublas_peak, forward_flops, time_engine  # noqa: E402
-from glmvit_cupy.scratch import scratch_plan  # noqa: E402
+from glmvit_cupy.gpu.benchmark import cublas_peak, forward_flops, time_engine  # noqa: E402
+from glmvit_cupy.gpu.scratch import scratch_plan  # noqa: E402
 
 CASES = {
     "448": [(448, 448)],

@@ -70,10 +70,10 @@ from photos import build_collection  # noqa: E402
 from proctree import tree_memory  # noqa: E402
 
 from glmvit_cupy import GlmVit  # noqa: E402
+from glmvit_cupy.collection.pipeline import plan_batches  # noqa: E402
+from glmvit_cupy.collection.sources import expand_inputs  # noqa: E402
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
-from glmvit_cupy.pipeline import plan_batches  # noqa: E402
-from glmvit_cupy.preprocess import ProcessorConfig, canvas, canvas_grid, patchify  # noqa: E402
-from glmvit_cupy.sources import expand_inputs  # noqa: E402
+from glmvit_cupy.processor.preprocess import ProcessorConfig, canvas, canvas_grid, patchify  # noqa: E402
 
 WARMUP_FILES = 16
 FORWARD_PASSES = 2

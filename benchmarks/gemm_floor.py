@@ -32,8 +32,8 @@ import cupy
 import numpy as np
 
 from glmvit_cupy import GlmVit, preprocess
-from glmvit_cupy.benchmark import attention_flops, cublas_peak, forward_flops, sustained_ms
-from glmvit_cupy.synthetic import photo_like
+from glmvit_cupy.gpu.benchmark import attention_flops, cublas_peak, forward_flops, sustained_ms
+from glmvit_cupy.tower.synthetic import photo_like
 
 CASES = {"448": [(448, 448)], "1036": [(1036, 1036)], "2044": [(2044, 2044)], "8x448": [(448, 448)] * 8,
          "32x448": [(448, 448)] * 32}  # compare_transformers.py's cases, the same photo-like images

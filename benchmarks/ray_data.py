@@ -7,7 +7,7 @@ Issue 27: Ray at least 0.85x encode's images/s on one GPU.
    --workers N --quiet` after a warm-up run on 16 of the files): its summary clock (first
    file read to last shard renamed; the tower bound before it) and its process wall.
 3. Ray: a local cluster on this machine (ray.init, timed apart: a cluster runs before a job
-   comes), then glmvit_cupy.ray.embed + ShardSink, as examples/ray_embed.py runs them, over
+   comes), then glmvit_cupy.deploy.ray.embed + ShardSink, as examples/ray_embed.py runs them, over
    the collection's rows (rows_of), once on 16 files (warm-up) and once on all of them. The
    actors are GlmVitEmbedder with a probe (a subclass defined here) that logs, per actor, when
    its engine was ready and, per call, its start and end, its images and tokens, the engine's
@@ -51,10 +51,11 @@ from e2e import WARMUP_FILES, benchmark_main, end_to_end, load_collection, save 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
+from glmvit_cupy.collection.shards import read_embeddings, read_records, record_key  # noqa: E402
+from glmvit_cupy.collection.sources import expand_inputs  # noqa: E402
+from glmvit_cupy.deploy.ray import (DEFAULT_BATCH_SIZE, GlmVitEmbedder, ShardSink, cluster_plan, embed,  # noqa: E402
+                                     parts, rows_of)
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
-from glmvit_cupy.ray import DEFAULT_BATCH_SIZE, GlmVitEmbedder, ShardSink, cluster_plan, embed, parts, rows_of  # noqa: E402
-from glmvit_cupy.shards import read_embeddings, read_records, record_key  # noqa: E402
-from glmvit_cupy.sources import expand_inputs  # noqa: E402
 
 TARGET = 0.85
 

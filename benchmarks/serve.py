@@ -55,7 +55,7 @@ import httpx  # the [serve] extra
 from serving import ServerProcess, die_with_parent  # tests/, on sys.path through e2e
 
 from glmvit_cupy import GlmVit, preprocess
-from glmvit_cupy.preprocess import ProcessorConfig
+from glmvit_cupy.processor.preprocess import ProcessorConfig
 
 LONG_SIDE_MAX = 1024
 LONE_SIDE = 448
@@ -110,7 +110,7 @@ def forward_ms(vit: GlmVit, data: bytes) -> float:
     if vit.backend == "cupy":
         import cupy
 
-        from glmvit_cupy.benchmark import time_engine
+        from glmvit_cupy.gpu.benchmark import time_engine
         return time_engine(vit, cupy.asarray(pixels), grid).median_ms
     times = []
     for _ in range(5):

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
     _, everything = load_collection(args, collection)
     files = small_photos(everything)
     prelude = "" if args.switch_interval_ms is None else \
-        f"import glmvit_cupy.serve as s; s.SWITCH_INTERVAL_S = {args.switch_interval_ms / 1000}"
+        f"import glmvit_cupy.deploy.serve as s; s.SWITCH_INTERVAL_S = {args.switch_interval_ms / 1000}"
     spy, raw = None, Path(tempfile.mkdtemp()) / "gil.txt"
     with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
                        ready_s=600, prelude=prelude) as server:

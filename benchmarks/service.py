@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import benchmark_main, environment, forward_only, load_collection, save  # noqa: E402
 
 from glmvit_cupy import GlmVit  # noqa: E402
-from glmvit_cupy.preprocess import preprocess  # noqa: E402
-from glmvit_cupy.synthetic import photo_like  # noqa: E402
+from glmvit_cupy.processor.preprocess import preprocess  # noqa: E402
+from glmvit_cupy.tower.synthetic import photo_like  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -49,10 +49,10 @@ from photos import build_collection  # noqa: E402
 from proctree import tree_memory  # noqa: E402
 
 from glmvit_cupy import GlmVit  # noqa: E402
+from glmvit_cupy.collection.sources import expand_inputs  # noqa: E402
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
-from glmvit_cupy.preprocess import preprocess  # noqa: E402
-from glmvit_cupy.checkpoint import read_header  # noqa: E402
-from glmvit_cupy.sources import expand_inputs  # noqa: E402
+from glmvit_cupy.processor.preprocess import preprocess  # noqa: E402
+from glmvit_cupy.tower.checkpoint import read_header  # noqa: E402
 
 REQUESTS = 24  # templates: more than the engine's 16 kept graphs, so graphs are also evicted
 LIBRARY_THREADS = 2

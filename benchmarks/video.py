@@ -59,9 +59,9 @@ from e2e import (check_same_work, collection_options, end_to_end, environment, f
 from footage import build_clips, long_clip  # noqa: E402
 
 from glmvit_cupy import GlmVit  # noqa: E402
+from glmvit_cupy.collection.pipeline import plan_pieces  # noqa: E402
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
-from glmvit_cupy.pipeline import plan_pieces  # noqa: E402
-from glmvit_cupy.video import VideoConfig, open_video, patchify_frames, video_config  # noqa: E402
+from glmvit_cupy.processor.video import VideoConfig, open_video, patchify_frames, video_config  # noqa: E402
 
 TARGET_FORWARD_RATIO = 0.9
 TARGET_TRANSFORMERS_RATIO = 5.0

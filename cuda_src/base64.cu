@@ -1,4 +1,4 @@
-// base64.cu — the server's base64 answers (glmvit_cupy/device_base64.py), encoded on the GPU where the
+// base64.cu — the server's base64 answers (glmvit_cupy/gpu/device_base64.py), encoded on the GPU where the
 // embeddings already are: Python's encoder runs at a few hundred MB/s on a host core and holds the GIL.
 // One thread a 3-byte group, 4 characters out (RFC 4648's alphabet, '=' padding for a short last
 // group); a grid-stride loop. Byte loads, 4-byte stores: megabytes, so bandwidth is not the limit.

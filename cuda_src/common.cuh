@@ -1,5 +1,5 @@
 // common.cuh — helpers every glmvit-cupy kernel file uses: BF16 conversion, warp and block
-// reductions. The loader (glmvit_cupy/kernels.py) pastes this file in place of its
+// reductions. The loader (glmvit_cupy/gpu/kernels.py) pastes this file in place of its
 // #include, so CuPy's on-disk compile cache sees any change to it.
 #pragma once
 #include <cuda_bf16.h>

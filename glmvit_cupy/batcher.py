@@ -38,12 +38,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .collection.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, Decoder, Prepared, item_name
+from .collection.staging import DEFAULT_DTYPE, make_stager
 from .errors import GlmVitError, InputError, Overloaded, RequestTimeout
-from .geometry import check_patch_budget
 from .outputs import GlmVitOutput, Timing, check_output_options, library_output
-from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, Decoder, Prepared, item_name
-from .preprocess import canvas_grid, image_input
-from .staging import DEFAULT_DTYPE, make_stager
+from .processor.preprocess import canvas_grid, image_input
+from .tower.geometry import check_patch_budget
 
 DEFAULT_MAX_WAIT_MS = 5.0  # under a decode's time: a batch waits for what is about to arrive, not longer
 DEFAULT_MAX_QUEUE = 1024

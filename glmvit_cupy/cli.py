@@ -19,17 +19,17 @@ import click
 import numpy as np
 
 from glmvit_cupy.batcher import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_MS, DEFAULT_TIMEOUT_S
-from glmvit_cupy.encoder_cache import DEFAULT_CACHE_BYTES
+from glmvit_cupy.collection.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
+from glmvit_cupy.collection.shards import DEFAULT_SHARD_SIZE
+from glmvit_cupy.collection.sources import IMAGE_EXTENSIONS
+from glmvit_cupy.collection.staging import DEFAULT_DTYPE, DTYPES
+from glmvit_cupy.deploy.encoder_cache import DEFAULT_CACHE_BYTES
 from glmvit_cupy.errors import GlmVitError
-from glmvit_cupy.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glmvit_cupy.model import KERNELS
-from glmvit_cupy.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
-from glmvit_cupy.shards import DEFAULT_SHARD_SIZE
-from glmvit_cupy.sources import IMAGE_EXTENSIONS
-from glmvit_cupy.staging import DEFAULT_DTYPE, DTYPES
-from glmvit_cupy.video import VIDEO_EXTENSIONS
-from glmvit_cupy.weights import BLOCK_TENSORS, NON_BLOCK_TENSORS, parameter_count, tensor_count
-from glmvit_cupy.writer import write_atomic
+from glmvit_cupy.processor.video import VIDEO_EXTENSIONS
+from glmvit_cupy.tower.geometry import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
+from glmvit_cupy.tower.weights import BLOCK_TENSORS, NON_BLOCK_TENSORS, parameter_count, tensor_count
+from glmvit_cupy.tower.writer import write_atomic
 
 PAYLOAD_LIMIT = 32 * 2**20  # serve --payload-limit: a large photo as base64 JSON, with room
 MODEL_HELP = ("Checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
@@ -92,6 +92,26 @@ def processor_options(command: Callable) -> Callable:
     return command
 
 
+
+# Options several commands (and examples/ray_embed.py) take, each written once.
+model_option = click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
+backend_option = click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto",
+                              show_default=True, help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
+kernels_option = click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
+                              help="The GPU engines' kernels: auto takes the Hopper ones on sm_90, else the generic "
+                                   "ones; generic or hopper forces a set.")
+max_pixels_option = click.option("--max-pixels", type=click.IntRange(min=1), default=None,
+                                 help="Pixel budget of one forward call, all images packed into it together (sizes "
+                                      "the GPU scratch); it must hold one image at the processor's "
+                                      "max_image_tokens. [default: one such image]")
+files_from_option = click.option("--files-from", "files_from", metavar="LIST", default=None,
+                                 help="Read more inputs from LIST, one a line ('-': standard input).")
+output_option = click.option("--output", "which", type=click.Choice(list(OUTPUTS)), default=DEFAULT_OUTPUT,
+                             show_default=True, help="pooler: the merger's output (what the LM splices in); "
+                                                     "last_hidden: the downsample's output; both.")
+shard_size_option = click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE,
+                                 show_default=True, help="Images per shard (--out-dir).")
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="glmvit-cupy")
 def main() -> None:
@@ -119,38 +139,28 @@ Examples:
 Re-running the same --out-dir command after an interruption (Ctrl-C, a kill, a crash)
 encodes only what is missing.""")
 @click.argument("inputs", nargs=-1, type=str)
-@click.option("--files-from", "files_from", metavar="LIST", default=None,
-              help="Read more inputs from LIST, one a line ('-': standard input).")
-@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
+@files_from_option
+@model_option
 @click.option("--out", "out_path", type=click.Path(path_type=Path), default=None,
               help="Output file for a few images: .npy (one image, one output) or .npz (float32).")
 @click.option("--out-dir", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Output directory for a collection: shards, resumable (see below).")
-@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
-              help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
-@click.option("--output", "which", type=click.Choice(list(OUTPUTS)), default=DEFAULT_OUTPUT, show_default=True,
-              help="pooler: the merger's output (what the LM splices in); last_hidden: the "
-                   "downsample's output; both.")
+@backend_option
+@output_option
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help=f"Dtype of the shards' embeddings (--out-dir). [default: {DEFAULT_DTYPE}, what the LM consumes]")
-@click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True,
-              help="Images per shard (--out-dir).")
+@shard_size_option
 @click.option("--workers", type=click.IntRange(min=0), default=DEFAULT_WORKERS,
               help=f"Decode processes (0: decode in the main process). [default: all cores but one, "
                    f"{DEFAULT_WORKERS} here]")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first input that fails (default: record it, go on).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress; only errors and the final summary line.")
-@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
-              help="Pixel budget of one forward call, all images packed into it together (sizes the "
-                   "GPU scratch); it must hold one image at the processor's max_image_tokens. [default: "
-                   "one such image]")
+@max_pixels_option
 @click.option("--devices", default=None, metavar="all|0,1,...",
               help="One engine process per GPU (--out-dir): the tower read once, one decode pool, one "
                    "output directory. With --backend numpy, CPU engine processes. [default: one engine, "
                    "in this process]")
-@click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
-              help="The GPU engine's kernels (every engine's, with --devices): auto takes the Hopper ones on "
-                   "sm_90, else the generic ones; generic or hopper forces a set.")
+@kernels_option
 @processor_options
 @user_errors
 def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_path: Path | None,
@@ -173,11 +183,11 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
     the exit status non-zero; the rest are encoded.
     """
     from glmvit_cupy import GlmVit, load_geometry
+    from glmvit_cupy.collection.pipeline import Decoder, check_collection_settings
+    from glmvit_cupy.collection.sources import expand_inputs
     from glmvit_cupy.hub import resolve_model
-    from glmvit_cupy.pipeline import Decoder, check_collection_settings
-    from glmvit_cupy.preprocess import processor_config
-    from glmvit_cupy.sources import expand_inputs
-    from glmvit_cupy.video import check_video_config, video_config
+    from glmvit_cupy.processor.preprocess import processor_config
+    from glmvit_cupy.processor.video import check_video_config, video_config
 
     if (out_path is None) == (out_dir is None):
         raise GlmVitError("give exactly one of --out FILE (a few images) and --out-dir DIR (a collection)")
@@ -185,7 +195,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
         raise GlmVitError("--devices applies to --out-dir collections; --out encodes a few images on one engine")
     device_list = None
     if devices is not None:
-        from glmvit_cupy.devices import parse_devices
+        from glmvit_cupy.deploy.devices import parse_devices
         device_list = parse_devices(devices)
     if not inputs and files_from is None:
         raise GlmVitError("no inputs: name image or video files, directories, patterns or .tar shards, or "
@@ -221,7 +231,7 @@ def encode(inputs: tuple[str, ...], files_from: str | None, model_dir: str, out_
             vit = GlmVit.from_pretrained(directory, backend=backend, max_pixels=max_pixels, kernels=kernels,
                                          **budget)
         else:
-            from glmvit_cupy.devices import EngineGroup
+            from glmvit_cupy.deploy.devices import EngineGroup
             vit = group = EngineGroup(directory, device_list, backend, max_pixels, processor, OUTPUTS[which],
                                       dtype or DEFAULT_DTYPE, kernels, video)
         if vit.backend_note and vit.backend == "numpy":
@@ -250,7 +260,7 @@ def _check_single_output(out_path: Path, which: str, dtype: str | None, images: 
 
 def _encode_to_file(vit, sources, out_path: Path, which: str, decoder, processor) -> None:
     """A few images into one .npy/.npz, in memory; the first failure is the error."""
-    from glmvit_cupy.pipeline import stream
+    from glmvit_cupy.collection.pipeline import stream
 
     results = []
     for result in stream(vit, sources, outputs=OUTPUTS[which], dtype="float32", processor=processor,
@@ -281,7 +291,7 @@ def _encode_videos(sources: list, model_dir: str, out_path: Path, backend: str, 
     source's rate). The token budget options set the whole video's."""
     from glmvit_cupy import GlmVit
     from glmvit_cupy.hub import resolve_model
-    from glmvit_cupy.video import video_config
+    from glmvit_cupy.processor.video import video_config
 
     if out_path.suffix.lower() != ".npz" or dtype is not None:
         raise GlmVitError(f"{out_path}: videos go into a float32 .npz (rows, grid_thw and timestamps a video)")
@@ -315,8 +325,8 @@ def _encode_to_dir(vit, sources, out_dir: Path, which: str, dtype: str, shard_si
                    fail_fast: bool, quiet: bool, group) -> None:
     """A collection into resumable shards, with progress and a summary line; `group` (--devices)
     is the stager of its engine processes."""
-    from glmvit_cupy.pipeline import encode_collection
-    from glmvit_cupy.progress import Progress
+    from glmvit_cupy.collection.pipeline import encode_collection
+    from glmvit_cupy.collection.progress import Progress
 
     unit = "inputs" if any(source.kind == "video" for source in sources) else "images"  # a video is not an image
     progress = Progress(quiet, unit=unit)
@@ -347,8 +357,8 @@ def _interrupt(signum, frame) -> None:
 Examples:
   glmvit-cupy info --model ckpt
   glmvit-cupy info --model zai-org/GLM-5.3-Flash@v1.0 --max-image-tokens 2000""")
-@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
-@click.option("--max-pixels", type=click.IntRange(min=1), default=None, help="Pixel budget to size p_max for. [default: one image at the processor's max_image_tokens]")
+@model_option
+@max_pixels_option
 @processor_options
 @user_errors
 def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
@@ -358,12 +368,12 @@ def info(model_dir: str, max_pixels: int | None, min_image_tokens: int | None,
     options set both, as encode does)."""
     from PIL import Image
 
-    from glmvit_cupy.checkpoint import locate_tower
-    from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.gpu.scratch import scratch_plan
     from glmvit_cupy.hub import resolve_model
-    from glmvit_cupy.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
-    from glmvit_cupy.scratch import scratch_plan
-    from glmvit_cupy.video import check_video_config, video_config, video_config_file
+    from glmvit_cupy.processor.preprocess import PREPROCESSOR_FILE, check_processor, processor_config
+    from glmvit_cupy.processor.video import check_video_config, video_config, video_config_file
+    from glmvit_cupy.tower.checkpoint import locate_tower
+    from glmvit_cupy.tower.geometry import patch_budget
 
     directory = resolve_model(model_dir)
     loc = locate_tower(directory)
@@ -462,8 +472,8 @@ def make_checkpoint(directory: Path, geometry: str, seed: int, force: bool) -> N
     GLM-5.3-Flash export, plus text-stack decoy tensors the binder must skip. For tests,
     benchmarks and first runs where the real weights are not at hand.
     """
-    from glmvit_cupy.checkpoint import locate_tower
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.tower.checkpoint import locate_tower
+    from glmvit_cupy.tower.synthetic import write_checkpoint
 
     out = write_checkpoint(directory, geometry, seed, replace=force)
     loc = locate_tower(out)
@@ -481,13 +491,12 @@ Examples:
 
 SIGTERM or Ctrl-C drains: /health and new requests answer 503, the accepted ones finish,
 then the server exits 0 (a second signal exits at once).""")
-@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
+@model_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; only this host unless told).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: any free one; the start line names it).")
-@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True,
-              help="auto takes the GPU when CuPy sees one, else the NumPy backend.")
+@backend_option
 @click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULT_MAX_QUEUE, show_default=True,
               help="Per engine: images waiting (or decoding) in its batcher, and half the requests the "
                    "server holds (arrival to response sent, answers being built included); past either a "
@@ -497,9 +506,7 @@ then the server exits 0 (a second signal exits at once).""")
                    "(a lone image never waits).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TIMEOUT_S,
               show_default=True, help="Seconds an image may wait for its result; past it the request gets 504.")
-@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
-              help="Pixel budget of one forward call, all images packed into it together (sizes the "
-                   f"GPU scratch). [default: one image of {MAX_IMAGE_TOKENS} merged tokens]")
+@max_pixels_option
 @click.option("--payload-limit", type=click.IntRange(min=1), default=PAYLOAD_LIMIT,
               show_default=f"{PAYLOAD_LIMIT // 2**20} MiB",
               help="Largest request body (and --allow-files file), bytes; past it 413.")
@@ -512,8 +519,7 @@ then the server exits 0 (a second signal exits at once).""")
 @click.option("--devices", default=None, metavar="all|0,1,...",
               help="One engine per GPU, one batcher each, requests to the least loaded. With --backend numpy, "
                    "CPU engines. [default: one engine]")
-@click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
-              help="The GPU engine's kernels: auto takes the Hopper ones on sm_90, else the generic ones.")
+@kernels_option
 @processor_options
 @user_errors
 def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, max_wait_ms: float, timeout_s: float,
@@ -529,7 +535,7 @@ def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, ma
     the sha256 of the image bytes. Each request is one line on stderr.
     """
     try:
-        from glmvit_cupy import serve as server
+        from glmvit_cupy.deploy import serve as server
     except ImportError as exc:
         if exc.name not in ("starlette", "uvicorn", "prometheus_client"):
             raise
@@ -558,9 +564,9 @@ def _engines(directory: Path, backend: str, devices: str | None, max_pixels: int
              min_image_tokens: int | None, max_image_tokens: int | None) -> list:
     """One GlmVit, or with --devices one a device over one read of the tower."""
     from glmvit_cupy import GlmVit
-    from glmvit_cupy.checkpoint import bind_checkpoint
-    from glmvit_cupy.devices import all_devices, parse_devices
-    from glmvit_cupy.preprocess import processor_config
+    from glmvit_cupy.deploy.devices import all_devices, parse_devices
+    from glmvit_cupy.processor.preprocess import processor_config
+    from glmvit_cupy.tower.checkpoint import bind_checkpoint
 
     budget = dict(min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     if devices is None:
@@ -577,7 +583,7 @@ Examples:
   glmvit-cupy bench --model ckpt
   glmvit-cupy bench --model ckpt --image-size 448 --image-size 1344 --batch 4
   glmvit-cupy bench --model ckpt --kernels generic --attention naive""")
-@click.option("--model", "model_dir", required=True, metavar="DIR|ORG/NAME[@REV]", help=MODEL_HELP)
+@model_option
 @click.option("--image-size", "sizes", multiple=True, type=click.IntRange(min=28), default=(448,), show_default=True,
               help="Square image side in pixels; repeat for several cases.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -585,8 +591,7 @@ Examples:
 @click.option("--attention", type=click.Choice(["flash", "naive"]), default=None,
               help="flash: the fused kernel; naive: materialised scores (the cross-check). "
                    "[default: the engine's choice, flash where the head_dim has a flash kernel]")
-@click.option("--kernels", type=click.Choice(list(KERNELS)), default="auto", show_default=True,
-              help="auto: the Hopper kernels on sm_90, else the generic ones; generic or hopper forces a set.")
+@kernels_option
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per case.")
 @user_errors
 def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, kernels: str, iters: int) -> None:
@@ -602,12 +607,12 @@ def bench(model_dir: str, sizes: tuple[int, ...], batch: int, attention: str, ke
     mlp_sublayer (norm, gate|up GEMM, SwiGLU, down GEMM), merger.
     """
     from glmvit_cupy import GlmVit, load_geometry, preprocess
-    from glmvit_cupy.benchmark import cublas_peak, time_engine
-    from glmvit_cupy.geometry import patch_budget
+    from glmvit_cupy.gpu.benchmark import cublas_peak, time_engine
     from glmvit_cupy.hub import resolve_model
     from glmvit_cupy.model import gpu_available
-    from glmvit_cupy.preprocess import processor_config
-    from glmvit_cupy.synthetic import photo_like
+    from glmvit_cupy.processor.preprocess import processor_config
+    from glmvit_cupy.tower.geometry import patch_budget
+    from glmvit_cupy.tower.synthetic import photo_like
 
     ok, why = gpu_available()
     if not ok:

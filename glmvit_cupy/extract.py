@@ -18,12 +18,12 @@ import os
 from pathlib import Path
 
 from .bf16 import bf16_array
-from .checkpoint import SINGLE_FILE, TowerLocation, locate_tower, read_tower
 from .errors import GlmVitError
-from .geometry import CONFIG_FILE, vision_config
 from .hub import resolve_model
-from .preprocess import PREPROCESSOR_FILE
-from .writer import atomic_directory, write_safetensors
+from .processor.preprocess import PREPROCESSOR_FILE
+from .tower.checkpoint import SINGLE_FILE, TowerLocation, locate_tower, read_tower
+from .tower.geometry import CONFIG_FILE, vision_config
+from .tower.writer import atomic_directory, write_safetensors
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,10 +25,10 @@ import os
 import re
 from pathlib import Path
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, probe_prefix, tensor_names, tower_tensor_names
 from .errors import GlmVitError
-from .geometry import CONFIG_FILE
-from .preprocess import PREPROCESSOR_FILE
+from .processor.preprocess import PREPROCESSOR_FILE
+from .tower.checkpoint import INDEX_FILE, SINGLE_FILE, probe_prefix, tensor_names, tower_tensor_names
+from .tower.geometry import CONFIG_FILE
 
 # huggingface_hub's validate_repo_id, with the namespace required (a bare name is a directory).
 REPO_ID = re.compile(r"\b[\w\-.]{1,96}\b/\b[\w\-.]{1,96}\b", re.ASCII)

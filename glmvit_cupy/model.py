@@ -25,16 +25,16 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 from PIL import Image
 
-from .checkpoint import TowerWeights, bind_checkpoint
+from .collection.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, Decoder, StreamTurn, stream_in_turn
+from .collection.staging import DEFAULT_DTYPE, make_stager
 from .errors import GlmVitError, InputError
-from .geometry import GlmVitGeometry, patch_budget
 from .hub import resolve_model
-from .layout import check_grid, merged_offsets, num_patches
 from .outputs import GlmVitOutput, check_output_options, failed_output, library_output
-from .pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, Decoder, StreamTurn, stream_in_turn
-from .staging import DEFAULT_DTYPE, make_stager
-from .preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, image_input, processor_config,
-                         with_settings)
+from .processor.preprocess import (EncodedImage, ImageLike, ProcessorConfig, check_processor, image_input,
+                                   processor_config, with_settings)
+from .tower.checkpoint import TowerWeights, bind_checkpoint
+from .tower.geometry import GlmVitGeometry, patch_budget
+from .tower.layout import check_grid, merged_offsets, num_patches
 
 BACKENDS = ("auto", "numpy", "cupy")
 # The GPU engine's kernel sets: auto takes the Hopper ones (wgmma flash attention, the fused
@@ -154,7 +154,7 @@ class GlmVit:
         processor, _ = processor_config(directory, **processor_settings)
         if backend == "numpy":
             return cls.from_weights(bind_checkpoint(directory), "numpy", max_pixels, note=note, processor=processor)
-        from .engine import CupyRuntime
+        from .gpu.engine import CupyRuntime
         with ThreadPoolExecutor(max_workers=1) as pool:  # device set-up overlaps the read
             runtime = pool.submit(CupyRuntime, device, kernels)
             weights = bind_checkpoint(directory)
@@ -177,9 +177,9 @@ class GlmVit:
         p_max = patch_budget(weights.location.geometry, max_pixels, processor.max_image_tokens)
         fingerprint = weights.fingerprint()
         if backend == "numpy":
-            from .reference import NumpyTower
+            from .tower.reference import NumpyTower
             return cls(NumpyTower(weights, p_max), "numpy", note or auto_note, fingerprint, processor, directory)
-        from .engine import CupyTower
+        from .gpu.engine import CupyTower
         options = {} if attention is None else {"attention": attention}
         tower = CupyTower(weights, p_max, runtime=runtime, device=device, kernels=kernels, **options)
         return cls(tower, "cupy", note or auto_note, fingerprint, processor, directory)
@@ -296,9 +296,10 @@ class GlmVit:
         it. Temporal groups go through forward calls of at most p_max patches, cut at group
         boundaries (attention never crosses a group, so this is exact). Returns a
         video.VideoOutput of float32 NumPy arrays."""
-        from .video import VideoConfig, VideoOutput, check_video_config, load, video_config, with_video_settings
+        from .processor.video import (VideoConfig, VideoOutput, check_video_config, load, video_config,
+                                      with_video_settings)
 
-        _check_type("config", config, (VideoConfig, type(None)), "a glmvit_cupy.video.VideoConfig or None")
+        _check_type("config", config, (VideoConfig, type(None)), "a glmvit_cupy.processor.video.VideoConfig or None")
         config = with_video_settings(config or video_config(self.directory)[0], min_image_tokens=min_image_tokens,
                                      max_image_tokens=max_image_tokens)
         check_video_config(config, self.geometry)

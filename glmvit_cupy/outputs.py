@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from .bf16 import bf16_array
+from .collection.pipeline import OUTPUTS
+from .collection.staging import check_dtype
 from .errors import GlmVitError
-from .pipeline import OUTPUTS
-from .staging import check_dtype
 
 
 @dataclasses.dataclass(frozen=True)

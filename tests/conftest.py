@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.tower.synthetic import write_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):

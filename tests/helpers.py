@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from glmvit_cupy import synthetic
+from glmvit_cupy.tower import synthetic
 
 PREFIX = "model.visual."
 photo_like = synthetic.photo_like  # the tests' images (and `glmvit-cupy bench`'s)
@@ -118,8 +118,8 @@ def save_with_transformers(directory: Path, kind: str, sharded: bool = False, se
     those files with from_pretrained: the oracle for whatever binds them."""
     import torch
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig, Glm5NextVisionConfig
-    from transformers.models.glm5_next.modeling_glm5_next import (
-        Glm5NextForConditionalGeneration, Glm5NextModel, Glm5NextVisionModel)
+    from transformers.models.glm5_next.modeling_glm5_next import (Glm5NextForConditionalGeneration, Glm5NextModel,
+                                                                  Glm5NextVisionModel)
 
     vision = dict(TINY_VISION, **(vision or {}))
     torch.manual_seed(seed)

@@ -12,10 +12,10 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
-from glmvit_cupy.pipeline import stream
-from glmvit_cupy.preprocess import load_rgb
-from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.collection.pipeline import stream
+from glmvit_cupy.processor.preprocess import load_rgb
+from glmvit_cupy.tower.checkpoint import bind_checkpoint, locate_tower
+from glmvit_cupy.tower.synthetic import write_checkpoint
 from helpers import bomb_png, photo_like
 
 
@@ -225,7 +225,7 @@ def test_the_engines_attention_default_is_not_overridden(tmp_path):
     ("auto": naive there) holds, and from_pretrained works with the API's default."""
     import dataclasses
 
-    from glmvit_cupy.geometry import REAL, GlmVitGeometry
+    from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry
 
     geo = dataclasses.replace(GlmVitGeometry(**REAL), depth=1, hidden_size=128, num_heads=4, intermediate_size=256,
                               out_hidden_size=256, projection_intermediate_size=512)

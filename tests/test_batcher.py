@@ -17,8 +17,8 @@ from PIL import Image
 
 from glmvit_cupy import GlmVit
 from glmvit_cupy.errors import GlmVitError, InputError, Overloaded, RequestTimeout
-from glmvit_cupy.preprocess import EncodedImage
-from glmvit_cupy.synthetic import photo_like
+from glmvit_cupy.processor.preprocess import EncodedImage
+from glmvit_cupy.tower.synthetic import photo_like
 from helpers import live_processes
 
 SIZES = [(28, 28), (56, 84), (112, 56), (70, 140), (28, 224), (98, 98), (140, 42), (56, 56)]
@@ -195,7 +195,7 @@ class Poison(EncodedImage):
         marker, deaths, data = self.args
         code = (f"(lambda os, d: os._exit(9) if len(os.listdir(d)) < {deaths} and not "
                 f"open(os.path.join(d, str(len(os.listdir(d)))), 'w').close() else "
-                f"__import__('glmvit_cupy.preprocess', fromlist=['x']).EncodedImage('poison', {data!r}))"
+                f"__import__('glmvit_cupy.processor.preprocess', fromlist=['x']).EncodedImage('poison', {data!r}))"
                 f"(__import__('os'), {marker!r})")
         return eval, (code,)
 

@@ -8,8 +8,8 @@ import tracemalloc
 import numpy as np
 
 from glmvit_cupy import GlmVit, preprocess
-from glmvit_cupy import reference
-from glmvit_cupy.layout import frame_segments
+from glmvit_cupy.tower import reference
+from glmvit_cupy.tower.layout import frame_segments
 from helpers import photo_like, rel_err
 
 

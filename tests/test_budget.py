@@ -12,10 +12,10 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.geometry import REAL, GlmVitGeometry, check_patch_budget
-from glmvit_cupy.preprocess import PREPROCESSOR_FILE
-from glmvit_cupy.shards import read_embeddings
-from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.collection.shards import read_embeddings
+from glmvit_cupy.processor.preprocess import PREPROCESSOR_FILE
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry, check_patch_budget
+from glmvit_cupy.tower.synthetic import write_checkpoint
 from helpers import photo_like, rel_err
 from test_pipeline import records, run
 
@@ -129,9 +129,9 @@ def test_a_budget_whose_pixels_the_gpu_patchify_cannot_address_is_one_line():
     """The GPU stager's patchify.cu takes int32 byte offsets into a batch's uint8 pixels: a p_max past
     2 GiB of them is refused before any buffer is made, naming the bytes and --max-pixels; twice
     the bytes a patch where videos come (two frames)."""
-    from glmvit_cupy.preprocess import ProcessorConfig
-    from glmvit_cupy.staging import check_pixel_bytes
-    from glmvit_cupy.video import VideoConfig
+    from glmvit_cupy.collection.staging import check_pixel_bytes
+    from glmvit_cupy.processor.preprocess import ProcessorConfig
+    from glmvit_cupy.processor.video import VideoConfig
 
     config = ProcessorConfig()
     largest = (2**31 - 1) // (3 * 14 * 14)

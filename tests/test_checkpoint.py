@@ -15,10 +15,10 @@ import safetensors
 from safetensors import safe_open
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower, read_header
-from glmvit_cupy.synthetic import GEOMETRIES, write_checkpoint
-from glmvit_cupy.weights import parameter_count, tensor_count, tower_shapes
-from glmvit_cupy.writer import write_safetensors
+from glmvit_cupy.tower.checkpoint import bind_checkpoint, locate_tower, read_header
+from glmvit_cupy.tower.synthetic import GEOMETRIES, write_checkpoint
+from glmvit_cupy.tower.weights import parameter_count, tensor_count, tower_shapes
+from glmvit_cupy.tower.writer import write_safetensors
 
 
 def read_all(path: Path) -> list[tuple[str, str, list[int], bytes]]:

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from glmvit_cupy import GlmVit, preprocess
-from glmvit_cupy.checkpoint import INDEX_FILE, SINGLE_FILE, locate_tower
-from glmvit_cupy.weights import tensor_count
+from glmvit_cupy.tower.checkpoint import INDEX_FILE, SINGLE_FILE, locate_tower
+from glmvit_cupy.tower.weights import tensor_count
 from helpers import photo_like, rel_err, run_transformers, save_with_transformers
 
 pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")

@@ -136,7 +136,7 @@ def test_user_mistakes_are_one_line(tmp_path, tiny_ckpt, pngs):
 
 
 def test_text_only_and_broken_checkpoints(tmp_path, pngs):
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.tower.synthetic import write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=4, export="vision-only")
     (ckpt / "config.json").write_text('{"model_type": "glm5_next", "text_config": {}}')

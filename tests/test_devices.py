@@ -1,4 +1,4 @@
-"""`encode --devices`: engine processes behind one pipeline (glmvit_cupy/devices.py), tested on the
+"""`encode --devices`: engine processes behind one pipeline (glmvit_cupy/deploy/devices.py), tested on the
 CPU with NumPy engine processes: the same output directory as one engine, bit for bit; a SIGKILL
 and a resume; the mistakes as one line; no shared memory left behind; the engines' settings."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmvit_cupy.devices import EngineGroup
+from glmvit_cupy.collection.shards import read_embeddings
+from glmvit_cupy.deploy.devices import EngineGroup
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.model import gpu_available
-from glmvit_cupy.preprocess import processor_config
-from glmvit_cupy.shards import read_embeddings
+from glmvit_cupy.processor.preprocess import processor_config
 from test_gpu_faults import CHECK_LAUNCHES_ENV  # faults.py's name (it imports CuPy), checked there
 from test_pipeline import CLI, kill_after_two_shards_then_resume, make_images, run
 
@@ -109,8 +109,9 @@ def test_engine_processes_get_the_kernels_and_the_launch_checks_asked_for(tiny_c
 
 def test_the_main_process_imports_neither_cupy_nor_ray():
     """CuPy starts only in engine processes, once their device is chosen; Ray only where
-    glmvit_cupy.ray is imported (the optional extra)."""
-    code = ("import sys, cli, glmvit_cupy, glmvit_cupy.devices, glmvit_cupy.pipeline, glmvit_cupy.shards\n"
+    glmvit_cupy.deploy.ray is imported (the optional extra)."""
+    code = ("import sys, cli, glmvit_cupy, glmvit_cupy.deploy.devices, glmvit_cupy.collection.pipeline, "
+            "glmvit_cupy.collection.shards\n"
             "print(sorted(m for m in ('cupy', 'ray') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr

@@ -9,8 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from glmvit_cupy.encoder_cache import HIT, MISS, SHARED, EncoderCache, image_digest, result_bytes
-from glmvit_cupy.preprocess import ProcessorConfig
+from glmvit_cupy.deploy.encoder_cache import HIT, MISS, SHARED, EncoderCache, image_digest, result_bytes
+from glmvit_cupy.processor.preprocess import ProcessorConfig
 
 
 @dataclasses.dataclass

@@ -11,11 +11,11 @@ import pytest
 from safetensors import safe_open
 
 from glmvit_cupy import GlmVit, preprocess
-from glmvit_cupy.checkpoint import bind_checkpoint, locate_tower
 from glmvit_cupy.extract import extract_tower
-from glmvit_cupy.preprocess import PREPROCESSOR_FILE
-from glmvit_cupy.synthetic import write_checkpoint
-from glmvit_cupy.weights import tensor_count
+from glmvit_cupy.processor.preprocess import PREPROCESSOR_FILE
+from glmvit_cupy.tower.checkpoint import bind_checkpoint, locate_tower
+from glmvit_cupy.tower.synthetic import write_checkpoint
+from glmvit_cupy.tower.weights import tensor_count
 from helpers import photo_like, run_transformers, save_with_transformers
 from test_checkpoint import _rchar
 from test_cli import assert_clean_failure, run

@@ -9,9 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from glmvit_cupy import flash
 from glmvit_cupy.errors import InternalError
-from glmvit_cupy.kernel_source import constants, cuda_source_dir
+from glmvit_cupy.gpu import flash
+from glmvit_cupy.gpu.kernel_source import constants, cuda_source_dir
 
 H200_SLOTS = {256: 132, 128: 264, 64: 528}  # flash CTAs a round (Kernels.flash_slots) on 132 SMs
 

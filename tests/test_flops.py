@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from glmvit_cupy.benchmark import forward_flops
-from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.reference import NumpyTower
+from glmvit_cupy.gpu.benchmark import forward_flops
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
+from glmvit_cupy.tower.reference import NumpyTower
 
 
 class Counted(np.ndarray):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from glmvit_cupy.errors import InternalError
-from glmvit_cupy.gemm_swiglu import SOURCE, read_tiles
-from glmvit_cupy.geometry import REAL
-from glmvit_cupy.kernel_source import cuda_source_dir
+from glmvit_cupy.gpu.gemm_swiglu import SOURCE, read_tiles
+from glmvit_cupy.gpu.kernel_source import cuda_source_dir
+from glmvit_cupy.tower.geometry import REAL
 
 SM90_MAX_DYNAMIC_SMEM = 227 << 10  # per block, opted in (H100/H200)
 

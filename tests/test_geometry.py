@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVitError, load_geometry
-from glmvit_cupy.geometry import REAL, GlmVitGeometry, patch_budget, vision_config
-from glmvit_cupy.layout import block_major_positions, frame_segments, rope_inv_freq
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry, patch_budget, vision_config
+from glmvit_cupy.tower.layout import block_major_positions, frame_segments, rope_inv_freq
 
 
 def write_config(tmp_path, config) -> object:

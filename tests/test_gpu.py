@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVit, GlmVitError, load_geometry, preprocess
-from glmvit_cupy.benchmark import forward_flops
 from glmvit_cupy.bf16 import bf16_round, bf16_to_f32, f32_to_bf16_bits
-from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.reference import NumpyTower
-from glmvit_cupy.synthetic import write_checkpoint
-from glmvit_cupy.weights import parameter_count
+from glmvit_cupy.gpu.benchmark import forward_flops
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.tower.reference import NumpyTower
+from glmvit_cupy.tower.synthetic import write_checkpoint
+from glmvit_cupy.tower.weights import parameter_count
 from helpers import (KERNEL_SETS, available_kernel_sets, photo_like, rel_err, run_transformers, skip_unless_available,
                      sm90, transformers_tower)
 
@@ -183,7 +183,7 @@ def test_flash_equals_naive_attention_kernel_at_long_segments(engine, naive_vit)
     materialised path, both against a float32 reference on 256 sampled query rows per head."""
     import cupy
 
-    from glmvit_cupy.flash import flash_work_list
+    from glmvit_cupy.gpu.flash import flash_work_list
     towers = {kernels: engine(kernels).tower for kernels in available_kernel_sets()}
     geo = naive_vit.tower.geo
     h, hd, heads = geo.hidden_size, geo.head_dim, geo.num_heads

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVit
-from glmvit_cupy.preprocess import preprocess
+from glmvit_cupy.processor.preprocess import preprocess
 
 from helpers import photo_like
 
 pytestmark = pytest.mark.gpu
-CHECK_LAUNCHES_ENV = "GLMVIT_CHECK_LAUNCHES"  # glmvit_cupy.faults imports CuPy; checked against it below
+CHECK_LAUNCHES_ENV = "GLMVIT_CHECK_LAUNCHES"  # glmvit_cupy.gpu.faults imports CuPy; checked against it below
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def _run(code: str, check: bool) -> subprocess.CompletedProcess:
 _FAULT = """
 import cupy
 from glmvit_cupy.errors import GlmVitError
-from glmvit_cupy.engine import CupyRuntime
+from glmvit_cupy.gpu.engine import CupyRuntime
 k = CupyRuntime().kernels
 src = cupy.zeros(4 * 4096 + 1, dtype=cupy.float32)[1:]
 dst = cupy.empty(4 * 4096, dtype=cupy.uint16)
@@ -89,7 +89,7 @@ def test_a_fault_met_at_the_engines_wait_is_one_line():
     """Unchecked, the fault surfaces at the forward's own wait (faults.synchronize): still one
     line, which says how to find the launch."""
     code = _FAULT.replace("cupy.cuda.get_current_stream().synchronize()",
-                          "from glmvit_cupy.faults import synchronize; "
+                          "from glmvit_cupy.gpu.faults import synchronize; "
                           "synchronize(cupy.cuda.get_current_stream(), 'the test wait')")
     proc = _run(code, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -101,7 +101,7 @@ def test_a_fault_met_at_the_engines_wait_is_one_line():
 def test_checked_mode_gives_the_same_outputs(case, tiny_ckpt, monkeypatch):
     """Checked mode waits after each launch (and checks replayed graphs): results unchanged,
     eager, captured and replayed."""
-    from glmvit_cupy import faults
+    from glmvit_cupy.gpu import faults
 
     assert faults.CHECK_LAUNCHES_ENV == CHECK_LAUNCHES_ENV
     vit, pixels, grid = case

@@ -10,10 +10,10 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit
-from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.pipeline import StreamStats, plan_batches, stream
-from glmvit_cupy.preprocess import ProcessorConfig, canvas, canvas_grid, patchify, pixel_table, preprocess
-from glmvit_cupy.staging import CupyStager
+from glmvit_cupy.collection.pipeline import StreamStats, plan_batches, stream
+from glmvit_cupy.collection.staging import CupyStager
+from glmvit_cupy.processor.preprocess import ProcessorConfig, canvas, canvas_grid, patchify, pixel_table, preprocess
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
 from helpers import KERNEL_SETS, photo_like, skip_unless_available
 
 pytestmark = pytest.mark.gpu
@@ -92,7 +92,7 @@ def test_the_stager_overlaps_the_next_upload_with_the_forward(real_ckpt, canvase
     itself, so this engine is built without them."""
     import cupy
 
-    from glmvit_cupy.faults import CHECK_LAUNCHES_ENV
+    from glmvit_cupy.gpu.faults import CHECK_LAUNCHES_ENV
 
     monkeypatch.delenv(CHECK_LAUNCHES_ENV, raising=False)
     vit = GlmVit.from_pretrained(real_ckpt, backend="cupy")
@@ -166,9 +166,9 @@ def test_devices_write_what_one_engine_writes(tmp_path, real_ckpt, kernels):
     import subprocess
     import sys
 
-    from glmvit_cupy.devices import EngineGroup
-    from glmvit_cupy.faults import check_launches
-    from glmvit_cupy.preprocess import processor_config
+    from glmvit_cupy.deploy.devices import EngineGroup
+    from glmvit_cupy.gpu.faults import check_launches
+    from glmvit_cupy.processor.preprocess import processor_config
 
     skip_unless_available(kernels)
     processor, _ = processor_config(real_ckpt)

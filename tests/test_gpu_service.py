@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVit, preprocess
-from glmvit_cupy.synthetic import photo_like
+from glmvit_cupy.tower.synthetic import photo_like
 
 from helpers import KERNEL_SETS, rel_err, skip_unless_available
 
@@ -114,7 +114,7 @@ def test_device_base64_is_pythons_base64(tiny_ckpt):
     device context."""
     import base64
 
-    from glmvit_cupy.device_base64 import DeviceBase64
+    from glmvit_cupy.gpu.device_base64 import DeviceBase64
 
     vit = GlmVit.from_pretrained(tiny_ckpt, backend="cupy")
     rng = np.random.default_rng(0)
@@ -135,7 +135,7 @@ def test_device_base64_lanes_encode_at_once_each_answer_its_own(tiny_ckpt):
     with another's; no lane is refused in one line."""
     import base64
 
-    from glmvit_cupy.device_base64 import DeviceBase64
+    from glmvit_cupy.gpu.device_base64 import DeviceBase64
 
     vit = GlmVit.from_pretrained(tiny_ckpt, backend="cupy")
     with pytest.raises(ValueError, match="lanes 0: must be at least 1"):

@@ -17,11 +17,11 @@ from PIL import Image
 
 from glmvit_cupy import GlmVit
 from glmvit_cupy.bf16 import bf16_round
-from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.preprocess import ProcessorConfig, canvas, canvas_grid, patchify, pixel_table
-from glmvit_cupy.reference import NumpyTower
-from glmvit_cupy.shards import read_embeddings
-from glmvit_cupy.video import VideoConfig, open_video, patchify_frames, video_config, video_pixel_table
+from glmvit_cupy.collection.shards import read_embeddings
+from glmvit_cupy.processor.preprocess import ProcessorConfig, canvas, canvas_grid, patchify, pixel_table
+from glmvit_cupy.processor.video import VideoConfig, open_video, patchify_frames, video_config, video_pixel_table
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
+from glmvit_cupy.tower.reference import NumpyTower
 from helpers import KERNEL_SETS, photo_like, rel_err, skip_unless_available
 from test_gpu import BASELINE_FACTOR
 from test_video import write_clip

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_no_assert_statements_in_the_package():
     found = []
-    for path in sorted([*(ROOT / "glmvit_cupy").glob("*.py"), ROOT / "cli.py"]):
+    for path in sorted([*(ROOT / "glmvit_cupy").rglob("*.py"), ROOT / "cli.py"]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Assert):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")

@@ -19,10 +19,10 @@ from safetensors import deserialize
 
 from glmvit_cupy import GlmVitError
 from glmvit_cupy.bf16 import bf16_to_f32
-from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.synthetic import write_checkpoint
-from glmvit_cupy.weights import tower_shapes
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.tower.synthetic import write_checkpoint
+from glmvit_cupy.tower.weights import tower_shapes
 
 # A one-block tower of 90 KB, so that a fuzzed example costs milliseconds.
 GEO = GlmVitGeometry(**{**REAL, "depth": 1, "hidden_size": 32, "num_heads": 1, "intermediate_size": 64,

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVit, GlmVitError
-from glmvit_cupy.checkpoint import bind_checkpoint
 from glmvit_cupy.hub import resolve_model
-from glmvit_cupy.preprocess import PREPROCESSOR_FILE
-from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.processor.preprocess import PREPROCESSOR_FILE
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
+from glmvit_cupy.tower.synthetic import write_checkpoint
 
 hub = pytest.importorskip("huggingface_hub")
 from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: E402

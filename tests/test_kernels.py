@@ -1,7 +1,7 @@
 """Each kernel entry point alone against the NumPy reference (llm.c's dev/cuda checks), on fresh
 random inputs: shapes off every tile and block size, element by element with `assert_close`.
 
-The tests marked `gpu` launch through `glmvit_cupy.kernels.Kernels` on CuPy's current stream.
+The tests marked `gpu` launch through `glmvit_cupy.gpu.kernels.Kernels` on CuPy's current stream.
 Tolerances are derived, not tuned (references in float64 where the kernel's own float32 sums
 are what is measured):
 - BF16 outputs: rounding to nearest is off by at most U / (1 + U) of the value, U = 2^-8 (8
@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.layout import block_major_positions, rope_inv_freq
 from glmvit_cupy.bf16 import bf16_to_f32, f32_to_bf16_bits
-from glmvit_cupy.flash import flash_work_list
-from glmvit_cupy.reference import (LAYERNORM_EPS, gelu_erf, im2col_2x2, layernorm, qknorm_rope, rmsnorm, rope_tables,
-                                   segment_attention, silu, swiglu_clamp)
+from glmvit_cupy.gpu.flash import flash_work_list
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.tower.layout import block_major_positions, rope_inv_freq
+from glmvit_cupy.tower.reference import (LAYERNORM_EPS, gelu_erf, im2col_2x2, layernorm, qknorm_rope, rmsnorm,
+                                         rope_tables, segment_attention, silu, swiglu_clamp)
 from helpers import KERNEL_SETS, assert_close, skip_unless_available
 
 gpu = pytest.mark.gpu
@@ -39,8 +39,8 @@ GEO = GlmVitGeometry(**REAL)
 def kernels():
     """kernels(kind): a Kernels for 'auto', 'generic' or 'hopper' (skipping off sm_90), made once;
     with per-launch checks where the process asks for them (the device check does)."""
-    from glmvit_cupy.faults import check_launches
-    from glmvit_cupy.kernels import Kernels
+    from glmvit_cupy.gpu.faults import check_launches
+    from glmvit_cupy.gpu.kernels import Kernels
 
     made = {}
 

@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVitError
-from glmvit_cupy.writer import write_atomic
-from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
+from glmvit_cupy.tower.synthetic import write_checkpoint
+from glmvit_cupy.tower.writer import write_atomic
 from helpers import photo_like
 
 

@@ -20,11 +20,11 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.pipeline import Decoder, plan_batches, stream
-from glmvit_cupy.preprocess import ProcessorConfig
-from glmvit_cupy.shards import read_embeddings
-from glmvit_cupy.sources import expand_inputs
-from glmvit_cupy.synthetic import write_checkpoint
+from glmvit_cupy.collection.pipeline import Decoder, plan_batches, stream
+from glmvit_cupy.collection.shards import read_embeddings
+from glmvit_cupy.collection.sources import expand_inputs
+from glmvit_cupy.processor.preprocess import ProcessorConfig
+from glmvit_cupy.tower.synthetic import write_checkpoint
 from helpers import photo_like, rel_err
 
 CLI = [sys.executable, "-c", "import cli; cli.main()"]
@@ -263,8 +263,8 @@ def test_resume_with_other_settings_is_refused(tmp_path, tiny):
 HEAP = r"""
 import sys, tracemalloc
 from glmvit_cupy import GlmVit
-from glmvit_cupy.pipeline import encode_collection
-from glmvit_cupy.sources import expand_inputs
+from glmvit_cupy.collection.pipeline import encode_collection
+from glmvit_cupy.collection.sources import expand_inputs
 
 model, images, out = sys.argv[1:]
 vit = GlmVit.from_pretrained(model, backend="numpy", max_pixels=8 * 64 * 196, max_image_tokens=16)
@@ -369,7 +369,7 @@ def test_decoders_give_the_in_thread_canvases_in_order(tmp_path, workers, thread
 
 FULL_DISK = r'''
 import errno, sys
-import glmvit_cupy.shards as shards
+import glmvit_cupy.collection.shards as shards
 opened = shards._OpenShard.__init__
 count = [0]
 
@@ -439,7 +439,7 @@ def test_a_directory_without_shards_is_refused_not_read_as_empty(tmp_path, tiny)
     nothing = "holds no finished shard (shard-NNNNN.safetensors and its .jsonl) and no failures.jsonl"
     for directory, why in ((tmp_path / "img", ": not the --out-dir of a run that finished a shard"),
                            (tmp_path / "sink", "; its subdirectories do: a Ray ShardSink's output is read as "
-                                               "read_embeddings(glmvit_cupy.ray.parts(...))")):
+                                               "read_embeddings(glmvit_cupy.deploy.ray.parts(...))")):
         with pytest.raises(GlmVitError) as info:
             next(read_embeddings(directory))
         assert str(info.value) == f"{directory}: {nothing}{why}"
@@ -478,7 +478,7 @@ def test_pixels_are_received_in_place_in_connections_framing():
     from multiprocessing.connection import Connection
 
     from glmvit_cupy.errors import InternalError
-    from glmvit_cupy.pipeline import _recv_bytes_into
+    from glmvit_cupy.collection.pipeline import _recv_bytes_into
 
     ours, theirs = socket.socketpair()
     sender = Connection(theirs.detach())

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.preprocess import FIELDS, PREPROCESSOR_FILE, ProcessorConfig, processor_config
+from glmvit_cupy.processor.preprocess import FIELDS, PREPROCESSOR_FILE, ProcessorConfig, processor_config
 from helpers import photo_like, rel_err, run_transformers, save_with_transformers
 
 oracle_module = pytest.importorskip("transformers.models.glm5_next.image_processing_pil_glm5_next")
@@ -125,7 +125,7 @@ def test_a_model_with_its_own_processor_gives_transformers_result(tmp_path):
 
 
 def test_info_and_encode_use_the_file_and_the_options(tmp_path):
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.tower.synthetic import write_checkpoint
     from test_cli import run
 
     ckpt = write_checkpoint(tmp_path / "c", "tiny", seed=13, export="vision-only")

@@ -1,4 +1,4 @@
-"""glmvit_cupy.ray and examples/ray_embed.py on a local Ray cluster (NumPy backend, tiny checkpoint).
+"""glmvit_cupy.deploy.ray and examples/ray_embed.py on a local Ray cluster (NumPy backend, tiny checkpoint).
 
 The cluster is Ray's own test utility (ray.cluster_utils.Cluster): a head raylet with 4 CPUs and
 no GPU, as a machine without one is; the several-node test adds two raylets that declare one
@@ -23,17 +23,18 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import click
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from glmvit_cupy.collection.shards import read_embeddings, read_records, record_key  # noqa: E402
+from glmvit_cupy.collection.sources import expand_inputs  # noqa: E402
+from glmvit_cupy.deploy.ray import GlmVitEmbedder, Plan, ShardSink, cluster_plan, embed, parts, rows_of  # noqa: E402
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
 from glmvit_cupy.model import gpu_available  # noqa: E402
-from glmvit_cupy.ray import GlmVitEmbedder, Plan, ShardSink, cluster_plan, embed, parts, rows_of  # noqa: E402
-from glmvit_cupy.shards import read_embeddings, read_records, record_key  # noqa: E402
-from glmvit_cupy.sources import expand_inputs  # noqa: E402
 from helpers import rel_err  # noqa: E402
 from test_pipeline import make_images, run  # noqa: E402
 
@@ -175,10 +176,10 @@ def test_help_has_examples_and_explains_every_option():
     spec = importlib.util.spec_from_file_location("ray_embed", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    undescribed = [a.dest for a in module.parser()._actions if not a.help]
+    undescribed = [p.name for p in module.main.params if isinstance(p, click.Option) and not p.help]
     assert not undescribed, f"options without help: {undescribed}"
     proc = example("--help", timeout=120)
-    assert proc.returncode == 0 and "examples:" in proc.stdout and "Exit status" in proc.stdout
+    assert proc.returncode == 0 and "Examples:" in proc.stdout and "Exit status" in proc.stdout
     assert "--gpus-per-actor" in proc.stdout and "--decode-tasks" in proc.stdout
 
 
@@ -299,8 +300,8 @@ def test_gpu_actors_sharing_a_gpu_get_half_its_pool_and_the_engines_bits(tmp_pat
 def test_the_decode_stage_fails_a_video_alone(tmp_path):
     """A video among Ray's rows (expand_inputs lists videos too) fails alone at the decode stage,
     with the one line every images-only path gives; the image beside it decodes."""
-    from glmvit_cupy.preprocess import ProcessorConfig
-    from glmvit_cupy.ray import decode
+    from glmvit_cupy.deploy.ray import decode
+    from glmvit_cupy.processor.preprocess import ProcessorConfig
     from PIL import Image
 
     clip, image = tmp_path / "a.mp4", tmp_path / "b.png"

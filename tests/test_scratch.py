@@ -10,9 +10,9 @@ import itertools
 import numpy as np
 import pytest
 
-from glmvit_cupy import flash
-from glmvit_cupy.geometry import REAL, GlmVitGeometry, patch_budget
-from glmvit_cupy.scratch import STEPS, scratch_plan
+from glmvit_cupy.gpu import flash
+from glmvit_cupy.gpu.scratch import STEPS, scratch_plan
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry, patch_budget
 
 MIB = 2 ** 20
 TRANSFORMERS_2044_MIB = 1019  # transformers at 2044x2044, the project's first measurement (BENCHMARKS.md)

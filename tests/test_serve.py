@@ -24,9 +24,9 @@ pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 
 import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
-from glmvit_cupy.checkpoint import locate_tower  # noqa: E402
-from glmvit_cupy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, b64decode, listen  # noqa: E402
-from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
+from glmvit_cupy.tower.checkpoint import locate_tower  # noqa: E402
+from glmvit_cupy.tower.synthetic import write_checkpoint  # noqa: E402
+from glmvit_cupy.deploy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, b64decode, listen  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess  # noqa: E402
 from test_cli import assert_clean_failure, run  # noqa: E402
@@ -298,30 +298,32 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
     flood, cap = 48, 4
 
     async def timed(client: httpx.AsyncClient, url: str, body: bytes):
-        t0 = time.perf_counter()
         try:
             r = await client.post(url, content=body)
         except httpx.HTTPError as exc:  # a reset or hung connection: counted, then failed below
-            return type(exc).__name__, time.perf_counter() - t0, None
-        return r.status_code, time.perf_counter() - t0, r
+            return type(exc).__name__, time.perf_counter(), None
+        return r.status_code, time.perf_counter(), r
 
     async def main(server):
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=flood)) as client:
             busy = await occupy_engine(client, server, seed=70)
+            busy_done: list[float] = []
+            busy.add_done_callback(lambda _: busy_done.append(time.perf_counter()))
             image = png(64, seed=71)
             answers = await asyncio.gather(*(timed(client, f"{server.url}/embed", image) for _ in range(flood)))
-            return answers, await busy
+            busy_answer = await busy
+            return answers, busy_answer, busy_done[0]
     with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2") as server:
         assert httpx.get(f"{server.url}/info").json()["limits"]["max_requests"] == cap
-        answers, busy = asyncio.run(main(server))
+        answers, busy, busy_answered = asyncio.run(main(server))
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert server.metric("glmvit_requests_total", route="/embed", status="429") == flood - (cap - 1)
     statuses = [status for status, _, _ in answers]
     assert sorted(set(statuses), key=str) == [200, 429], statuses
     assert statuses.count(200) == cap - 1 and busy.status_code == 200  # the cap, the busy request included
-    for status, seconds, r in answers:
-        if status == 429:  # at once: the busy forward alone takes ~1.7 s
-            assert seconds < 1.0 and error_of(r).startswith("overloaded: the server holds 4 requests (max 4)")
+    for status, answered, r in answers:
+        if status == 429:  # at once: before the busy forward (~1.7 s, longer on a loaded machine) ends
+            assert answered < busy_answered and error_of(r).startswith("overloaded: the server holds 4 requests (max 4)")
     assert len({r.content for status, _, r in answers if status == 200}) == 1
 
 
@@ -410,7 +412,7 @@ def test_over_the_budget_or_non_finite_is_422_and_the_server_serves_on(tmp_path)
 # In the server process: a GPU fault (the error faults.synchronize raises) in the forward of any batch
 # holding a 56 x 560 image; everything else computes.
 _FAULT_ON_56X560 = """
-import glmvit_cupy.staging as staging
+import glmvit_cupy.collection.staging as staging
 from glmvit_cupy.errors import GlmVitError
 real = staging.NumpyStager.submit
 def submit(self, canvases, *rest):
@@ -466,8 +468,9 @@ def test_port_in_use_and_missing_extra_are_one_line(tiny_ckpt):
 
 
 def test_nothing_else_imports_the_server():
-    code = ("import sys, cli, glmvit_cupy, glmvit_cupy.pipeline, glmvit_cupy.devices, glmvit_cupy.encoder_cache; "
-            "print(json.dumps(sorted(m for m in ('glmvit_cupy.serve', 'starlette', 'uvicorn', 'prometheus_client') "
+    code = ("import sys, cli, glmvit_cupy, glmvit_cupy.collection.pipeline, glmvit_cupy.deploy.devices, "
+            "glmvit_cupy.deploy.encoder_cache; print(json.dumps(sorted(m for m in ('glmvit_cupy.deploy.serve', "
+            "'starlette', 'uvicorn', 'prometheus_client') "
             "if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []

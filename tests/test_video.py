@@ -22,8 +22,8 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError
-from glmvit_cupy.synthetic import photo_like, write_checkpoint
-from glmvit_cupy.video import VideoConfig, open_video, sample_frames, video_config, video_frames
+from glmvit_cupy.processor.video import VideoConfig, open_video, sample_frames, video_config, video_frames
+from glmvit_cupy.tower.synthetic import photo_like, write_checkpoint
 from helpers import TINY_TEXT, rel_err
 
 av = pytest.importorskip("av", reason="PyAV (the [video] extra) is not installed")
@@ -207,7 +207,7 @@ def test_only_sampled_frames_are_kept(tmp_path):
     warm = write_clip(tmp_path / "warm.mp4", 30, 30, 240, 320, "libx264")
     clip = write_clip(tmp_path / "long.mp4", 600, 30, 240, 320, "libx264")
     code = ("import resource\n"
-            "from glmvit_cupy.video import VideoConfig, open_video\n"
+            "from glmvit_cupy.processor.video import VideoConfig, open_video\n"
             f"open_video({str(warm)!r})\n"
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             f"frames = open_video({str(clip)!r}, VideoConfig(max_image_tokens=600))\n"
@@ -317,7 +317,7 @@ def test_bad_frames():
 
 def test_without_pyav_a_video_is_one_line_naming_the_extra(clips):
     code = ("import sys; sys.modules['av'] = None\n"  # PyAV not importable, as where the extra is not installed
-            "from glmvit_cupy.video import open_video\n"
+            "from glmvit_cupy.processor.video import open_video\n"
             f"open_video({str(clips['mov_60'])!r})\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVit
-from glmvit_cupy.clips import FrameBudget
-from glmvit_cupy.pipeline import Decoder, plan_pieces
-from glmvit_cupy.preprocess import ProcessorConfig
-from glmvit_cupy.shards import read_embeddings
-from glmvit_cupy.sources import Source, expand_inputs
-from glmvit_cupy.synthetic import write_checkpoint
-from glmvit_cupy.video import VideoConfig, video_config
+from glmvit_cupy.collection.clips import FrameBudget
+from glmvit_cupy.collection.pipeline import Decoder, plan_pieces
+from glmvit_cupy.collection.shards import read_embeddings
+from glmvit_cupy.collection.sources import Source, expand_inputs
+from glmvit_cupy.processor.preprocess import ProcessorConfig
+from glmvit_cupy.processor.video import VideoConfig, video_config
+from glmvit_cupy.tower.synthetic import write_checkpoint
 from test_pipeline import make_images, records, run
 from test_video import write_audio_only, write_clip
 

@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 
 from glmvit_cupy.bf16 import bf16_to_f32
-from glmvit_cupy.checkpoint import bind_checkpoint
-from glmvit_cupy.geometry import REAL, GlmVitGeometry
-from glmvit_cupy.layout import block_major_positions, frame_segments
-from glmvit_cupy.reference import NumpyTower, rmsnorm, rope_tables
-from glmvit_cupy.weights import (BLOCK_TENSORS, FUSED_PAIRS, NON_BLOCK_TENSORS, deferred_bias, parameter_count,
-                                  tensor_count, tower_shapes)
+from glmvit_cupy.tower.checkpoint import bind_checkpoint
+from glmvit_cupy.tower.geometry import REAL, GlmVitGeometry
+from glmvit_cupy.tower.layout import block_major_positions, frame_segments
+from glmvit_cupy.tower.reference import NumpyTower, rmsnorm, rope_tables
+from glmvit_cupy.tower.weights import (BLOCK_TENSORS, FUSED_PAIRS, NON_BLOCK_TENSORS, deferred_bias, parameter_count,
+                                       tensor_count, tower_shapes)
 from helpers import rel_err
 
 

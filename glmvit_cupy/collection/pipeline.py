@@ -1,0 +1,728 @@
+"""The streaming pipeline: images and videos in, embeddings out, at the speed of the engine.
+
+    sources -> decode workers -> packer -> engine (stager) -> in-order results -> sink
+              (N processes:      (token     (upload of k+1     (placeholders      (shards, or
+               read, decode,      budget)    while k computes)  filled per batch)   the caller)
+               resize, pad)
+
+Every stage is bounded: at most `window` inputs are being decoded or wait decoded (and at
+most clips.FRAME_BYTES_AHEAD of video frames beyond the input the packer waits for), two
+batches are on the engine, and results leave in input order as soon as the inputs before
+them are done, so memory does not grow with the collection. Workers hand over uint8 pixels:
+an image's canvas (preprocess.canvas), or a video's sampled frames on their canvas, streamed
+a frame at a time (clips.py); the engine patchifies them itself (staging.py). The packer
+deals in temporal groups (an image is one): a video whose groups do not fit the batch is cut
+between groups and continued in the next (exact: attention never crosses a group), and its
+pieces' rows are joined again in time order. Workers are processes (workers.Child: fresh
+interpreters that die with their parent): the decode is CPU-bound Python/PIL/FFmpeg, and a
+fork of a process that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's
+collection runs (`encode_collection`) are both built on `stream`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence, Union
+
+import numpy as np
+
+from . import clips
+from ..errors import GlmVitError, InternalError
+from ..processor.preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
+from ..processor.video import VideoConfig, check_video_config
+from ..tower.geometry import GlmVitGeometry, check_patch_budget, patch_budget
+from ..workers import Child, usable_cpus
+from .clips import ClipInfo, FrameBudget
+from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
+from .sources import Source
+from .staging import OUTPUT_NAMES, check_dtype, make_stager
+
+DEFAULT_WORKERS = max(1, usable_cpus() - 1)  # all usable cores but one: the engine's host thread
+OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",), "both": OUTPUT_NAMES}
+DEFAULT_OUTPUT = "pooler"  # the merger's output: what the LM splices in
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a worker sends back for one input: its uint8 pixels (an image's canvas [H, W, 3], a
+    video's sampled frames [T, H, W, 3]), or why there are none."""
+
+    canvas: np.ndarray | None
+    error: str | None
+    nbytes: int | None = None  # of the file (sources only)
+    sha256: str | None = None
+    decode_s: float = 0.0
+    video: ClipInfo | None = None  # a video's timestamps, frames and frame rate
+    held: int = 0  # bytes of a DecodePool's FrameBudget its frames hold until the pipeline takes it
+
+
+Config = Union[ProcessorConfig, VideoConfig]  # an input's settings: the image or the video processor's
+
+
+def prepare(item: Any, config: Config) -> Prepared:
+    """Read (sources), decode and resize one input in this process, timed. Every failure is a reason."""
+    start = time.perf_counter()
+    steps = _start(item, config)
+    prepared, shape = next(steps)
+    if shape is not None:  # a video: its frames follow
+        frames = np.empty(shape, dtype=np.uint8)
+        try:
+            for row, frame in zip(frames, steps):
+                row[...] = frame
+            prepared.canvas = frames
+        except (GlmVitError, MemoryError) as exc:
+            prepared = Prepared(None, _reason(item, exc), prepared.nbytes, prepared.sha256)
+    prepared.decode_s = time.perf_counter() - start
+    return prepared
+
+
+def _reason(item: Any, exc: BaseException) -> str:
+    if isinstance(exc, MemoryError):
+        return f"{item_name(item)}: out of memory while decoding"
+    return str(exc)
+
+
+def _start(item: Any, config: Config) -> Iterator[Any]:
+    """One input's decode as a generator. First (Prepared, None), holding an image's canvas or
+    the input's failure; or, for a video, (Prepared without pixels, the frames' shape), then
+    its frames one at a time (a fault among them raises GlmVitError)."""
+    nbytes = sha = None
+    try:
+        if isinstance(config, VideoConfig):
+            steps = clips.start(item, config)
+            nbytes, sha, info, shape = next(steps)
+            head = Prepared(None, None, nbytes, sha, video=info), shape
+        elif isinstance(item, Source) and item.kind == "video":  # given the image processor's settings
+            head = Prepared(None, f"{item.name}: a video; this run takes images only (glmvit-cupy encode --out-dir "
+                                  "and GlmVit.encode_video take videos)"), None
+        else:
+            if isinstance(item, Source):
+                data = item.read()
+                nbytes, sha = len(data), hashlib.sha256(data).hexdigest()
+                item = EncodedImage(item.name, data)
+            head = Prepared(canvas(item, config), None, nbytes, sha), None
+    except OSError as exc:
+        head = Prepared(None, f"{item_name(item)}: cannot read: {exc.strerror or exc}", nbytes, sha), None
+    except (GlmVitError, MemoryError) as exc:
+        head = Prepared(None, _reason(item, exc), nbytes, sha), None
+    yield head
+    if head[1] is not None:
+        yield from steps  # a fault here is the caller's to catch: the frames before it are gone already
+
+
+def _decode_worker(conn: Any) -> None:
+    """A decode worker process (workers.Child): (input, settings) in, Prepared out, until the
+    parent closes the connection. Pixels travel as raw bytes after the rest (a pickled array
+    costs two more copies of it: a third of a lone request's time): an image's canvas in one
+    message, a video's frames one a message as they are decoded, then an empty message and
+    the reason if decoding fails part way."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    while True:
+        try:
+            item, config = conn.recv()
+        except EOFError:
+            return
+        start = time.perf_counter()
+        steps = _start(item, config)
+        prepared, shape = next(steps)
+        prepared.decode_s = time.perf_counter() - start
+        pixels, prepared.canvas = prepared.canvas, None
+        conn.send((prepared, shape if pixels is None else pixels.shape))
+        if pixels is not None:
+            conn.send_bytes(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+        elif shape is not None:
+            try:
+                for frame in steps:
+                    conn.send_bytes(memoryview(frame).cast("B"))
+            except (GlmVitError, MemoryError) as exc:
+                conn.send_bytes(b"")
+                conn.send(_reason(item, exc))
+
+
+def _receive_prepared(conn: Any, budget: FrameBudget | None = None, ticket: Any = None) -> Prepared:
+    """What _decode_worker sends, the pixels read straight into their array; a video's frames
+    once `budget` has room for them (`ticket`: its decode's future)."""
+    prepared, shape = conn.recv()
+    if shape is None:
+        return prepared
+    pixels = np.empty(shape, dtype=np.uint8)
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        if prepared.video is None:
+            _recv_bytes_into(sock, pixels.reshape(-1))  # flat: a 3-D view's len() is its height
+            prepared.canvas = pixels
+            return prepared
+        if budget is not None:
+            budget.take(ticket, pixels.nbytes)
+            prepared.held = pixels.nbytes
+        try:
+            for row in pixels.reshape(len(pixels), -1):  # a frame a message
+                if _recv_bytes_into(sock, row) == 0:  # decoding failed part way: the reason follows
+                    return Prepared(None, conn.recv(), prepared.nbytes, prepared.sha256, prepared.decode_s)
+            prepared.canvas = pixels
+            return prepared
+        finally:
+            if prepared.canvas is None and prepared.held:
+                budget.give(prepared.held)
+
+
+def _recv_bytes_into(sock: socket.socket, flat: np.ndarray) -> int:
+    """Connection.recv_bytes_into(flat) on the connection's socket, the bytes read from the kernel
+    straight into the array. Connection reads a message in socket-sized pieces into a BytesIO and
+    then copies it into the array, both under the GIL: for a 2.7 MB canvas 0.42 ms of CPU against
+    0.20 here, in a server whose every thread waits for that GIL (benchmarks/NOTES.md). The same
+    framing: a 4-byte big-endian size, then the bytes (Connection's 8-byte size of a message past
+    2 GiB never comes: a canvas or a frame is at most tens of MB); the size read."""
+    size = struct.unpack("!i", _recv_exactly(sock, 4))[0]
+    if not 0 <= size <= flat.nbytes:
+        raise InternalError(f"a decode worker sent {size} bytes of pixels into room for {flat.nbytes}")
+    view, got = memoryview(flat).cast("B"), 0
+    while got < size:
+        n = sock.recv_into(view[got:size])
+        if n == 0:
+            raise EOFError("the decode worker closed its connection")
+        got += n
+    return size
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = sock.recv(n, socket.MSG_WAITALL)
+    if len(data) < n:
+        raise EOFError("the decode worker closed its connection")
+    return data
+
+
+def item_name(item: Any) -> str:
+    """How messages name an input."""
+    return str(item) if isinstance(item, (str, Path)) else getattr(item, "name", f"a {type(item).__name__}")
+
+
+# A decode worker is one core's work (the pool has one a core): its BLAS (the video resize's
+# products) runs on one thread, not on every core in every worker.
+_WORKER_THREADS = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+def _decode_child() -> Child:
+    return Child(_decode_worker, (), "glmvit-cupy decode", env={**os.environ, **_WORKER_THREADS})
+
+
+class DecodePool:
+    """`workers` decode processes (workers.Child), each fed by a thread of its own that sends it
+    one input at a time. A worker that dies (the OOM killer, a crash in a decoder) is replaced
+    and its input tried once more on the new one; if that one dies too, the input fails alone.
+    A future cancelled before its input reaches a worker costs nothing. `budget` bounds the
+    video frames received ahead of the pipeline (clips.FrameBudget)."""
+
+    def __init__(self, workers: int) -> None:
+        self.budget = FrameBudget()
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._feed, daemon=True, name=f"glmvit-decode-{i}")
+                        for i in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, item: Any, config: Config) -> Future:
+        future: Future = Future()
+        self.tasks.put((future, item, config))
+        return future
+
+    def _feed(self) -> None:
+        child = _decode_child()  # started now: up before the first input
+        try:
+            while (task := self.tasks.get()) is not None:
+                future, item, config = task
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result, child = self._decode(child, item, config, future)
+                except Exception as exc:  # a bug, not the input: this input's error; the worker is made anew
+                    future.set_exception(exc)
+                    child.close(0)
+                    child = _decode_child()
+                    continue
+                future.set_result(result)
+        finally:
+            child.close()
+
+    def _decode(self, child: Child, item: Any, config: Config, future: Future) -> tuple[Prepared, Child]:
+        """One input on `child`, and once more on a new worker if that one dies under it; the
+        result and the worker to go on with."""
+        for _ in range(2):
+            try:
+                child.conn.send((item, config))
+                return _receive_prepared(child.conn, self.budget, future), child
+            except (EOFError, OSError):  # the worker died under this input
+                child.close(0)
+                child = _decode_child()
+        return Prepared(None, f"{item_name(item)}: its decode worker process died twice (killed, or out of memory "
+                              "while decoding it)"), child
+
+    def close(self) -> None:
+        """Cancel what no worker has taken, then stop the workers once their inputs are done."""
+        self.budget.release()  # a thread waiting for room goes on: its input is taken to its end
+        while True:
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                task[0].cancel()
+        for _ in self.threads:
+            self.tasks.put(None)
+        for thread in self.threads:
+            thread.join()
+
+
+class Decoder:
+    """Decode of inputs by `workers` processes (DecodePool; 0: in the calling thread), one at a
+    time (`submit`) or in order over an iterable with at most `window` in flight (`map`).
+    threads=True: by `workers` threads instead, for a host that kills its child processes before
+    it lets them be closed (a Ray actor); PIL decodes and resizes without the GIL, so threads
+    scale too. `processor` is the default of each image's settings; `video` the video
+    processor's settings, for video sources (None: a video source fails alone, saying that
+    this decoder takes images only)."""
+
+    def __init__(self, workers: int, processor: ProcessorConfig, threads: bool = False,
+                 video: VideoConfig | None = None) -> None:
+        if workers < 0:
+            raise GlmVitError(f"workers {workers}: expected 0 (decode in this process) or more")
+        self.processor, self.workers, self.video = processor, workers, video
+        self.window = 4 * workers + 8  # a few images a worker queued: none waits for the main thread
+        self.pool: ThreadPoolExecutor | DecodePool | None = None
+        if workers and threads:
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="glmvit-decode")
+        elif workers:
+            self.pool = DecodePool(workers)
+
+    def submit(self, item: Any, processor: ProcessorConfig | None = None) -> Future:
+        """A future of the input's Prepared."""
+        config: Config = processor or self.processor
+        future: Future = Future()
+        if isinstance(item, Source) and item.kind == "video" and self.video is not None:
+            config = self.video
+        if isinstance(self.pool, DecodePool):
+            return self.pool.submit(item, config)
+        if self.pool is not None:
+            return self.pool.submit(prepare, item, config)
+        future.set_result(prepare(item, config))
+        return future
+
+    def map(self, items: Iterable[Any], processor: ProcessorConfig | None = None) -> Iterator[Prepared]:
+        queue_: deque[Future] = deque()
+        try:
+            for item in items:
+                queue_.append(self.submit(item, processor))
+                if len(queue_) >= self.window:
+                    yield self._take(queue_.popleft())
+            while queue_:
+                yield self._take(queue_.popleft())
+        finally:
+            for future in queue_:
+                future.cancel()
+                future.add_done_callback(self._give_back)  # frames received for nobody: room again
+
+    def _take(self, future: Future) -> Prepared:
+        """The input the caller now waits for: its frames go ahead of the budget, and give their
+        bytes back once taken."""
+        if isinstance(self.pool, DecodePool):
+            self.pool.budget.head(future)
+        prepared = future.result()
+        self._give_back(future)
+        return prepared
+
+    def _give_back(self, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None or not isinstance(self.pool, DecodePool):
+            return
+        prepared = future.result()
+        if prepared.held:
+            self.pool.budget.give(prepared.held)
+            prepared.held = 0
+
+    def close(self) -> None:
+        if isinstance(self.pool, ThreadPoolExecutor):
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        elif self.pool is not None:
+            self.pool.close()
+        self.pool = None
+
+
+def check_collection_settings(geo: GlmVitGeometry, processor: ProcessorConfig, max_pixels: int | None,
+                              images: bool = True) -> None:
+    """Before a collection run starts (encode, Ray): the processor must cut the tower's patches,
+    and every image it makes, up to its max_image_tokens, must fit one forward call (`images`:
+    the run has images; a video is cut between temporal groups instead)."""
+    check_processor(processor, geo)
+    if processor.do_resize and images:
+        check_patch_budget(geo, processor.max_image_tokens * geo.merge_unit,
+                           patch_budget(geo, max_pixels, processor.max_image_tokens),
+                           f"one image at the processor's max_image_tokens {processor.max_image_tokens} "
+                           "(--max-image-tokens lowers it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Temporal groups [first, stop) of one input (`owner`) in a batch: an image's one group,
+    or a run of a video's."""
+
+    owner: Any
+    first: int
+    stop: int
+
+
+class Packer:
+    """The packer's rule: the inputs' temporal groups in order (an image is one group of its
+    patches; a video has T/2 groups of (H/14)(W/14) patches), a batch closed whenever the next
+    group would take it past p_max patches. A video is cut between groups where a batch closes
+    and goes on in the next (exact: attention never crosses a group). A group larger than p_max
+    goes alone, for the engine to refuse with the numbers at fault."""
+
+    def __init__(self, p_max: int) -> None:
+        self.p_max = p_max
+        self.batch: list[Piece] = []  # the open batch
+        self.patches = 0
+
+    def add(self, owner: Any, groups: int, per_group: int) -> tuple[list[list[Piece]], int]:
+        """Place an input's groups: (the batches this closed, in order; its pieces, those in the
+        open batch included)."""
+        closed, first, pieces = [], 0, 0
+        while first < groups:
+            fit = min(groups - first, (self.p_max - self.patches) // per_group)
+            if fit <= 0 and self.batch:
+                closed.append(self.close())
+                continue
+            fit = max(fit, 1)
+            self.batch.append(Piece(owner, first, first + fit))
+            self.patches += fit * per_group
+            first += fit
+            pieces += 1
+        return closed, pieces
+
+    def close(self) -> list[Piece]:
+        """The open batch (empty when nothing is open), closed."""
+        batch, self.batch, self.patches = self.batch, [], 0
+        return batch
+
+
+def plan_pieces(inputs: Sequence[tuple[int, int]], p_max: int) -> list[list[Piece]]:
+    """The packer's batches of inputs of (groups, patches a group), for anyone who needs the
+    same batches (benchmarks); each piece's owner is its input's index."""
+    packer, batches = Packer(p_max), []
+    for i, (groups, per_group) in enumerate(inputs):
+        batches += packer.add(i, groups, per_group)[0]
+    last = packer.close()
+    return batches + [last] if last else batches
+
+
+def plan_batches(patch_counts: Sequence[int], p_max: int) -> list[range]:
+    """plan_pieces for images of these patch counts: each batch as the range of its images."""
+    return [range(b[0].owner, b[-1].owner + 1) for b in plan_pieces([(1, n) for n in patch_counts], p_max)]
+
+
+@dataclasses.dataclass
+class Encoded:
+    """One input's outcome, in input order: its rows of each output (in the asked dtype; a
+    video's in time order) and grid, or the reason it failed."""
+
+    item: Any
+    arrays: dict[str, np.ndarray] | None
+    grid_thw: np.ndarray | None  # int64 [3]: (1, h, w) for an image, (T/2, h, w) for a video
+    error: str | None
+    nbytes: int | None = None
+    sha256: str | None = None
+    video: ClipInfo | None = None
+    batch: int | None = None  # the stream's forward batch that computed it (0, 1, ...; a video's last)
+
+
+
+@dataclasses.dataclass
+class _Slot:
+    """An input on its way through stream_in_turn: its pieces as the packer placed them, their
+    rows as they are collected, and, once all are in (or it failed), its Encoded."""
+
+    item: Any
+    prep: Prepared
+    grid: tuple[int, int, int] = (0, 0, 0)
+    pieces: int = 0  # placed by the packer
+    sent: int = 0  # of them submitted
+    collected: int = 0
+    rows: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    result: Encoded | None = None
+
+    def fail(self, error: str) -> None:
+        prep = self.prep
+        self.result = Encoded(self.item, None, None, error, prep.nbytes, prep.sha256, prep.video)
+
+    def finish(self, stats: StreamStats, batch: int) -> None:
+        """All its pieces are collected (the last in forward batch `batch`): join their rows, in time order."""
+        if self.error is not None:
+            self.fail(self.error)
+        else:
+            rows = self.rows
+            arrays = rows[0] if len(rows) == 1 else {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
+            stats.tokens += len(next(iter(arrays.values())))
+            prep = self.prep
+            self.result = Encoded(self.item, arrays, np.array(self.grid, dtype=np.int64), None, prep.nbytes,
+                                  prep.sha256, prep.video, batch)
+        self.rows = []
+
+
+class StreamTurn:
+    """One stream at a time over `lock`, for an engine's owner (GlmVit, devices.EngineGroup) whose
+    stream_turn it is: its decode pool and engine buffers serve one stream. A stream, or a call
+    that waits for one, from inside a stream of the same thread is refused in one line naming
+    `inside` (it would wait for itself)."""
+
+    def __init__(self, lock: Any, inside: str) -> None:
+        self.lock, self.inside = lock, inside
+        self.thread: int | None = None  # the thread running a stream
+
+    def held_here(self) -> bool:
+        return self.thread == threading.get_ident()
+
+    @contextlib.contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        if self.held_here():
+            raise GlmVitError(f"{what} called inside {self.inside}: finish or close that loop first")
+        with self.lock:
+            self.thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self.thread = None
+
+
+@dataclasses.dataclass
+class StreamStats:
+    tokens: int = 0
+    batches: int = 0
+    gpu_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # per engine of the stager
+
+
+def stream(vit, items: Iterable[Any], **options: Any) -> Iterator[Encoded]:
+    """Encode `items` (sources, paths, PIL images or arrays) through `vit`, yielding one Encoded
+    per item in input order, holding vit's stream turn (threads sharing vit take turns). An
+    output with a non-finite value is a failure of that input. Options: stream_in_turn's."""
+    with vit.stream_turn():
+        yield from stream_in_turn(vit, items, **options)
+
+
+def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
+                   workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
+                   stats: StreamStats | None = None, decoder: Decoder | None = None,
+                   stager: Any = None) -> Iterator[Encoded]:
+    """stream, for a caller that holds vit.stream_turn(). `decoder` and `stager`
+    (staging.make_stager for this processor and the decoder's video settings) may be kept by
+    the caller across streams; by default each stream makes its own, for images only
+    (devices.EngineGroup is the stager of its engine processes). Video sources need a decoder
+    with video settings (Decoder(video=...)) and a stager made with the same."""
+    processor = processor or vit.processor
+    own = decoder is None
+    decoder = decoder or Decoder(workers, processor)
+    try:
+        mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
+        yield from encode_prepared(vit, zip(mine, decoder.map(theirs, processor)), outputs=outputs, dtype=dtype,
+                                   processor=processor, stats=stats, stager=stager, video=decoder.video)
+    finally:
+        if own:
+            decoder.close()
+
+
+def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: Sequence[str] = OUTPUT_NAMES,
+                    dtype: str = "float32", processor: ProcessorConfig | None = None,
+                    stats: StreamStats | None = None, stager: Any = None,
+                    video: VideoConfig | None = None) -> Iterator[Encoded]:
+    """The engine's half of a stream: inputs already decoded ((input, its Prepared), in input
+    order; a video's with the `video` settings it was decoded with) packed by the Packer into
+    forward batches of at most vit.p_max patches, two on the stager at a time, and yielded as
+    Encoded in input order. The Ray actors run it on the canvases of their decode stage."""
+    processor = processor or vit.processor
+    check_processor(processor, vit.geometry)
+    check_dtype(dtype)
+    if video is not None:
+        check_video_config(video, vit.geometry)
+    stats = stats if stats is not None else StreamStats()
+    stager = stager or make_stager(vit, processor, video)
+    for engine in range(stager.engines):
+        stats.gpu_ms.setdefault(engine, 0.0)
+    temporal = processor.temporal_patch_size
+    order: deque[_Slot] = deque()  # in input order
+    packer = Packer(vit.p_max)
+    in_flight: deque[tuple[Any, list[Piece]]] = deque()
+
+    def submit(batch: list[Piece]) -> None:
+        pixels, grid = [], []
+        for piece in batch:
+            slot = piece.owner
+            frames = slot.prep.canvas
+            pixels.append(frames if slot.prep.video is None else frames[piece.first * temporal:piece.stop * temporal])
+            grid.append((piece.stop - piece.first, *slot.grid[1:]))
+            slot.sent += 1
+            if slot.sent == slot.pieces:
+                slot.prep.canvas = None  # the batches hold what they still need of it
+        in_flight.append((stager.submit(pixels, np.array(grid, dtype=np.int64), outputs, dtype), batch))
+
+    def collect() -> None:
+        pending, batch = in_flight.popleft()
+        arrays = pending.result()
+        number = stats.batches
+        stats.batches += 1
+        stats.gpu_ms[pending.engine] += pending.gpu_ms
+        ok = pending.finite
+        for i, piece in enumerate(batch):
+            slot = piece.owner
+            a, b = int(pending.offsets[i]), int(pending.offsets[i + 1])
+            if not ok[a:b].all():
+                slot.error = f"{item_name(slot.item)}: the embedding has non-finite values (NaN or Inf)"
+            elif slot.error is None:
+                slot.rows.append({name: arr[a:b] for name, arr in arrays.items()})
+            slot.collected += 1
+            if slot.collected == slot.pieces:
+                slot.finish(stats, number)
+
+    def place(slot: _Slot) -> None:
+        """Pack the input's groups, submitting each batch that closes (k + 1 uploads while k computes)."""
+        t, h, w = slot.grid
+        closed, slot.pieces = packer.add(slot, t, h * w)
+        for batch in closed:
+            submit(batch)
+            while len(in_flight) >= stager.depth:
+                collect()
+
+    def ready() -> Iterator[Encoded]:
+        while order and order[0].result is not None:
+            yield order.popleft().result
+
+    for item, prep in prepared:
+        slot = _Slot(item, prep)
+        order.append(slot)
+        if prep.error is not None:
+            slot.fail(prep.error)
+        else:
+            slot.grid = canvas_grid(prep.canvas.shape, processor)
+            _, h, w = slot.grid
+            try:  # an image (a video's group) no forward call holds is its own failure, not the run's
+                check_patch_budget(vit.geometry, h * w, vit.p_max, item_name(item) if prep.video is None else
+                                   f"{item_name(item)}: one temporal group")
+            except GlmVitError as exc:
+                slot.fail(str(exc))
+            else:
+                place(slot)
+        yield from ready()
+    if last := packer.close():
+        submit(last)
+    while in_flight:
+        collect()
+        yield from ready()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What a collection run did."""
+
+    encoded: int
+    skipped: int  # already done in the output directory
+    failed: int
+    tokens: int
+    wall_s: float
+    gpu_busy_s: tuple[float, ...] | None  # each engine stream's busy time (None on the NumPy backend)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.encoded / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def gpu_busy(self) -> tuple[float, ...] | None:
+        """Each engine's busy fraction of the run."""
+        return None if self.gpu_busy_s is None or not self.wall_s else tuple(b / self.wall_s for b in self.gpu_busy_s)
+
+
+def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, workers: int = DEFAULT_WORKERS,
+                      shard_size: int, output: str = "pooler", dtype: str = "bfloat16",
+                      processor: ProcessorConfig | None = None, video: VideoConfig | None = None,
+                      fail_fast: bool = False, progress: Any = None, decoder: Decoder | None = None,
+                      stager: Any = None) -> RunSummary:
+    """Encode `sources` (images and videos) into shards in `out_dir`, skipping those already
+    there (resume). `video`: the video processor's settings of the decoder made here (None:
+    video sources fail, images only); a `decoder` given brings its own. `progress`
+    (progress.Progress) hears `start(inputs to do)`, then `(Encoded, stats)` per input.
+    `stager`: as stream's (devices.EngineGroup spreads the batches over engine processes)."""
+    outputs = OUTPUTS[output]
+    processor = processor or vit.processor
+    own = decoder is None
+    decoder = decoder or Decoder(min(workers, len(sources)), processor, video=video)
+    metadata = shard_metadata(vit, outputs, dtype, processor, decoder.video)
+    start = time.perf_counter()
+    try:
+        directory = OutputDir(Path(out_dir), metadata)
+    except BaseException:
+        if own:
+            decoder.close()
+        raise
+    try:
+        todo = [s for s in sources if s.key not in directory.done]
+        writer = BackgroundWriter(ShardWriter(directory.directory, outputs, dtype, vit.geometry.out_hidden_size,
+                                              shard_size, directory.next_index, metadata))
+        stats, failures, encoded = StreamStats(), [], 0
+        if progress is not None:
+            progress.start(len(todo))
+        try:
+            for result in stream(vit, todo, outputs=outputs, dtype=dtype, processor=processor, stats=stats,
+                                 decoder=decoder, stager=stager):
+                if result.error is not None:
+                    failures.append({**result.item.record(), "kind": result.item.kind, "error": result.error})
+                    directory.write_failures(failures)
+                    if fail_fast:
+                        raise GlmVitError(f"{result.error} (--fail-fast: stopped at the first failure)")
+                else:
+                    kind = {"kind": "image"} if result.video is None else result.video.record()
+                    record = {**result.item.record(), **kind, "bytes": result.nbytes, "sha256": result.sha256}
+                    writer.add(record, result.arrays, result.grid_thw)
+                    encoded += 1
+                if progress is not None:
+                    progress(result, stats)
+            writer.finish()
+        except KeyboardInterrupt:
+            writer.finish()  # the images already done are kept; the rest is for the next run
+            raise
+        except BaseException:
+            writer.discard()
+            raise
+        finally:
+            directory.write_failures(failures)
+        busy = tuple(ms / 1000 for _, ms in sorted(stats.gpu_ms.items())) if vit.backend == "cupy" else None
+        return RunSummary(encoded, len(sources) - len(todo), len(failures), stats.tokens,
+                          time.perf_counter() - start, busy)
+    finally:
+        directory.close()
+        if own:
+            decoder.close()
+
+
+def shard_metadata(vit, outputs: Sequence[str], dtype: str, processor: ProcessorConfig,
+                   video: VideoConfig | None = None) -> dict[str, str]:
+    """What every shard's header records of the settings that made it (a resume, or a reader of
+    several directories, refuses shards made otherwise); the video processor's where the run
+    takes videos."""
+    metadata = {"format": FORMAT, "tower": vit.fingerprint, "outputs": ",".join(outputs), "dtype": dtype,
+                "processor": json.dumps(dataclasses.asdict(processor), sort_keys=True)}
+    if video is not None:
+        metadata["video_processor"] = json.dumps(dataclasses.asdict(video), sort_keys=True)
+    return metadata

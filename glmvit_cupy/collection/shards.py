@@ -1,0 +1,399 @@
+"""The output directory of a collection run: sharded embeddings that survive interruption.
+
+    DIR/shard-00000.safetensors   pooler_output (and/or last_hidden_state) [tokens, out_hidden]
+                                  for every input of the shard (a video's rows in time order),
+                                  grid_thw [n, 3] ((1, h, w) an image, (T/2, h, w) a video), offsets [n + 1]
+    DIR/shard-00000.jsonl         one line an input, in row order: path (its input key), kind ("image" or
+                                  "video"; a video's frames sampled, source fps and the timestamps of its
+                                  temporal groups), bytes, sha256, grid_thw, tokens, rows
+    DIR/failures.jsonl            the inputs of the last run that did not encode, and why
+
+A shard is written as it fills: its first output streams into a temporary file behind a
+header area sized for the largest numbers a header can hold (safetensors allows trailing
+spaces in the header), further outputs into side files appended at the end, so memory holds
+no more than one image's rows. Then fsync and rename: first the .safetensors, then its
+.jsonl, which is what makes a shard count as done. A run killed at any moment leaves only
+whole shards and hidden `.*.tmp` files; the next run on the directory (holding a lock on it)
+removes those and any .safetensors without its .jsonl, and skips every input already done.
+Each shard's metadata records the settings it was made with, so a resume with other settings
+(model, dtype, outputs, processor) is refused instead of mixing embeddings.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import queue
+import re
+import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from ..bf16 import bf16_to_f32
+from ..errors import GlmVitError
+from ..tower.checkpoint import HeaderEntry, read_header
+from ..tower.writer import create_temp, fsync_dir, is_temp, safetensors_header, write_atomic
+from .sources import resume_key
+from .staging import DTYPES
+
+SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
+FORMAT = "glmvit-cupy embeddings 1"
+FAILURES = "failures.jsonl"
+DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way redoes
+# The metadata shards of one collection share. A shard without video_processor holds no video
+# (made before videos were taken, or by a run that takes none, such as Ray's): it agrees with any.
+SETTINGS = ("format", "tower", "outputs", "dtype", "processor", "video_processor")
+_ONLY_WITH_VIDEOS = ("video_processor",)
+_MAX_INT = 10 ** 20 - 1  # more digits than any int64 a header holds
+
+
+def conflict(theirs: dict[str, str], ours: dict[str, str]) -> str | None:
+    """The first setting two shards' metadata disagree on (None: one collection)."""
+    for field in SETTINGS:
+        a, b = theirs.get(field), ours.get(field)
+        if a != b and not (field in _ONLY_WITH_VIDEOS and (a is None or b is None)):
+            return field
+    return None
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def _write_error(directory: Path, exc: OSError) -> GlmVitError:
+    """An OSError while writing shards (a full disk, a quota, a lost mount) as one line."""
+    return GlmVitError(f"{directory}: writing the embeddings failed: {exc.strerror or exc}; only whole shards are "
+                       "kept: free some space (or fix the directory) and run the same command again")
+
+
+class _OpenShard:
+    """The shard being filled: its temp files, rows so far and metadata lines."""
+
+    def __init__(self, directory: Path, index: int, outputs: Sequence[str], reserve: int) -> None:
+        self.index, self.outputs, self.reserve = index, tuple(outputs), reserve
+        self.files: dict[str, tuple[Any, Path]] = {}
+        for i, name in enumerate(self.outputs):
+            fd, path = create_temp(directory, f"{shard_name(index)}.{name}" if i else
+                                           f"{shard_name(index)}.safetensors")
+            f = os.fdopen(fd, "wb+")
+            if i == 0:
+                f.seek(8 + reserve)
+            self.files[name] = (f, path)
+        self.records: list[dict] = []
+        self.rows = 0
+
+    def remove(self) -> None:
+        for f, path in self.files.values():
+            f.close()
+            path.unlink(missing_ok=True)
+
+
+class ShardWriter:
+    """Appends images to shards of `shard_size` images in `directory`, numbered from `first_index`."""
+
+    def __init__(self, directory: Path, outputs: Sequence[str], dtype: str, width: int, shard_size: int,
+                 first_index: int, metadata: dict[str, str]) -> None:
+        self.directory, self.outputs, self.dtype, self.width = directory, tuple(outputs), dtype, width
+        self.shard_size, self.next_index, self.metadata = shard_size, first_index, metadata
+        self.st_dtype = DTYPES[dtype][1]
+        worst = [(name, self.st_dtype, [_MAX_INT, _MAX_INT], _MAX_INT) for name in self.outputs]
+        worst += [("grid_thw", "I64", [_MAX_INT, 3], _MAX_INT), ("offsets", "I64", [_MAX_INT], _MAX_INT)]
+        self.reserve = -(-len(safetensors_header(worst, metadata)) // 8) * 8
+        self.shard: _OpenShard | None = None
+        # Sealing (fsync, renames) runs on a thread of its own, in shard order: an fsync of a shard
+        # of photos takes up to a second, during which the next shard keeps filling.
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-cupy seal")
+        self._sealing: list[Future] = []
+
+    def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
+        """One image: its metadata line (source fields) and its rows of each output."""
+        try:
+            self._add(record, arrays, grid_thw)
+        except OSError as exc:
+            raise _write_error(self.directory, exc) from None
+
+    def _add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
+        if self.shard is None:
+            self.shard = _OpenShard(self.directory, self.next_index, self.outputs, self.reserve)
+            self.next_index += 1
+        shard = self.shard
+        rows = len(arrays[self.outputs[0]])
+        for name in self.outputs:
+            data = np.ascontiguousarray(arrays[name], dtype=DTYPES[self.dtype][0])
+            if data.shape != (rows, self.width):
+                raise GlmVitError(f"{name} of {record.get('path')} has shape {list(data.shape)}, "
+                                  f"expected [{rows}, {self.width}]")
+            f = shard.files[name][0]
+            start = f.tell()
+            f.write(data.data)
+            if name == self.outputs[0] and hasattr(os, "posix_fadvise"):  # start its writeback now,
+                f.flush()                                                    # so that sealing has little left
+                os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
+        shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
+                              "rows": [shard.rows, shard.rows + rows]})
+        shard.rows += rows
+        if len(shard.records) >= self.shard_size:
+            self.finish()
+
+    def finish(self) -> None:
+        """Hand the shard in flight (if it holds any image) to the sealer: header, fsync, rename,
+        metadata. An error of an earlier seal is raised here."""
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            self._sealing.append(self._sealer.submit(self._seal_or_remove, shard))
+        self._reap(wait=False)
+
+    def close(self) -> None:
+        """Wait until every shard handed over is sealed; raise the first error."""
+        self._reap(wait=True)
+        self._sealer.shutdown()
+
+    def _reap(self, wait: bool) -> None:
+        while self._sealing and (wait or self._sealing[0].done()):
+            self._sealing.pop(0).result()
+
+    def _seal_or_remove(self, shard: _OpenShard) -> None:
+        try:
+            self._seal(shard)
+        except BaseException as exc:
+            shard.remove()
+            (self.directory / f"{shard_name(shard.index)}.safetensors").unlink(missing_ok=True)  # no .jsonl: not done
+            if isinstance(exc, OSError):
+                raise _write_error(self.directory, exc) from None
+            raise
+
+    def _seal(self, shard: _OpenShard) -> None:
+        n, rows, itemsize = len(shard.records), shard.rows, np.dtype(DTYPES[self.dtype][0]).itemsize
+        main, main_path = shard.files[self.outputs[0]]
+        tensors = [(name, self.st_dtype, [rows, self.width], rows * self.width * itemsize) for name in self.outputs]
+        for name in self.outputs[1:]:  # side files after the first output's rows
+            side, _ = shard.files[name]
+            side.flush()
+            side.seek(0)
+            while chunk := side.read(64 << 20):
+                main.write(chunk)
+        grid = np.array([r["grid_thw"] for r in shard.records], dtype=np.int64).reshape(n, 3)
+        offsets = np.array([0] + [r["rows"][1] for r in shard.records], dtype=np.int64)
+        for name, array in (("grid_thw", grid), ("offsets", offsets)):
+            tensors.append((name, "I64", list(array.shape), array.nbytes))
+            main.write(array.tobytes())
+        header = safetensors_header(tensors, self.metadata)
+        main.seek(0)
+        main.write(struct.pack("<Q", self.reserve) + header + b" " * (self.reserve - len(header)))
+        main.flush()
+        os.fsync(main.fileno())
+        final = self.directory / f"{shard_name(shard.index)}.safetensors"
+        os.replace(main_path, final)
+        shard.remove()  # closes the files; the side files go, the renamed main is no longer there
+        lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in shard.records)
+        write_atomic(self.directory / f"{shard_name(shard.index)}.jsonl", lambda f: f.write(lines.encode()))
+        fsync_dir(self.directory)
+
+    def discard(self) -> None:
+        """Drop the shard in flight (its temp files); shards already handed over are sealed."""
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            shard.remove()
+        try:
+            self.close()
+        except Exception:
+            pass  # the run is failing already: its first error is the one to report
+
+
+class BackgroundWriter:
+    """A ShardWriter on its own thread, so that disk writes and fsyncs (a shard of photos is
+    ~1 GB) never hold up the thread feeding the engine. The queue holds at most `depth` images;
+    an error in the thread comes back on the next call."""
+
+    def __init__(self, writer: ShardWriter, depth: int = 64) -> None:
+        self.writer, self.error = writer, None
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="glmvit-cupy shard writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.writer.add(*job)
+                except BaseException as exc:  # kept for the feeding thread, which raises it
+                    self.error = exc
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
+        self._check()
+        self.queue.put((record, arrays, grid_thw))
+
+    def _drain(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def finish(self) -> None:
+        """Write what is queued, seal the shard in flight, wait for every seal."""
+        self._drain()
+        self._check()
+        self.writer.finish()
+        self.writer.close()
+
+    def discard(self) -> None:
+        self._drain()
+        self.writer.discard()
+
+
+def complete_shards(directory: Path) -> list[tuple[int, Path, Path]]:
+    """(index, .safetensors, .jsonl) of every finished shard, by index."""
+    found = []
+    for entry in directory.iterdir():
+        match = SHARD.match(entry.name)
+        if match and entry.with_suffix(".jsonl").is_file():
+            found.append((int(match.group(1)), entry, entry.with_suffix(".jsonl")))
+    return sorted(found)
+
+
+def _records(jsonl: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GlmVitError(f"{jsonl}: unreadable shard metadata: {exc}") from None
+
+
+class OutputDir:
+    """An output directory opened for a run: locked, cleaned, its finished work known."""
+
+    def __init__(self, directory: Path, metadata: dict[str, str]) -> None:
+        self.directory = directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._lock = os.open(directory, os.O_RDONLY)
+        except OSError as exc:
+            raise GlmVitError(f"{directory}: cannot use as the output directory: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise GlmVitError(f"{directory}: another run is writing to this directory") from None
+        try:
+            self._scan(metadata)
+        except BaseException:
+            self.close()
+            raise
+
+    def _scan(self, metadata: dict[str, str]) -> None:
+        """Clean up after an interrupted run, then learn what is done (refusing other settings)."""
+        self._clean()
+        self.done: dict[str, dict] = {}
+        self.next_index = 0
+        for index, shard, jsonl in complete_shards(self.directory):
+            theirs = read_header(shard)[1]
+            field = conflict(theirs, metadata)
+            if field is not None:
+                raise GlmVitError(
+                    f"{shard}: made with {field} {theirs.get(field)!r}, this run has {metadata.get(field)!r}; "
+                    "use another --out-dir, or the settings it was made with")
+            for record in _records(jsonl):
+                self.done[record_key(record)] = record
+            self.next_index = index + 1
+
+    def _clean(self) -> None:
+        """Remove what an interrupted run left: temp files, shards without their metadata, and
+        metadata without its shard."""
+        for entry in self.directory.iterdir():
+            match = SHARD.match(entry.name)
+            orphan = (match and not entry.with_suffix(".jsonl").exists()) or (
+                entry.suffix == ".jsonl" and SHARD.match(entry.with_suffix(".safetensors").name)
+                and not entry.with_suffix(".safetensors").exists())
+            if is_temp(entry.name) or orphan:
+                entry.unlink(missing_ok=True)
+
+    def write_failures(self, failures: list[dict]) -> None:
+        write_failures(self.directory, failures)
+
+    def close(self) -> None:
+        os.close(self._lock)
+
+
+def write_failures(directory: Path, failures: list[dict]) -> None:
+    """DIR/failures.jsonl: one line an input that did not encode (its source fields and
+    `error`), written atomically; removed when there are none (a run lists its own failures)."""
+    path = directory / FAILURES
+    if failures:
+        lines = "".join(json.dumps(f, separators=(",", ":")) + "\n" for f in failures)
+        write_atomic(path, lambda f: f.write(lines.encode()))
+    else:
+        path.unlink(missing_ok=True)
+
+
+def record_key(record: dict) -> str:
+    """The resume identity of a metadata line: its source's sources.Source.key."""
+    return resume_key(record["path"], None if record.get("member") is None else record["key"])
+
+
+Directories = str | Path | Iterable[str | Path]
+
+
+def _shards_of(directories: Directories) -> Iterator[tuple[Path, Path, dict[str, HeaderEntry]]]:
+    """(.safetensors, .jsonl, tensor entries) of every finished shard of one or more output directories (one
+    collection: each host's, or each Ray write task's, directory), refusing shards whose
+    settings differ from the first's."""
+    if isinstance(directories, (str, Path)):
+        directories = [directories]
+    first: tuple[Path, dict] | None = None
+    for directory in map(Path, directories):
+        if not directory.is_dir():
+            raise GlmVitError(f"{directory}: not a directory")
+        found = complete_shards(directory)
+        if not found and not (directory / FAILURES).is_file():  # a run whose every image failed has failures
+            nested = any(p.is_dir() and complete_shards(p) for p in directory.iterdir())
+            hint = ("; its subdirectories do: a Ray ShardSink's output is read as "
+                    "read_embeddings(glmvit_cupy.deploy.ray.parts(...))" if nested else
+                    ": not the --out-dir of a run that finished a shard")
+            raise GlmVitError(f"{directory}: holds no finished shard (shard-NNNNN.safetensors and its .jsonl) "
+                              f"and no {FAILURES}" + hint)
+        for _, shard, jsonl in found:
+            entries, theirs = read_header(shard)
+            if first is None:
+                first = shard, theirs
+            field = conflict(theirs, first[1])
+            if field is not None:
+                raise GlmVitError(f"{shard}: made with {field} {theirs.get(field)!r}, {first[0]} with "
+                                  f"{first[1].get(field)!r}: not one collection")
+            yield shard, jsonl, entries
+
+
+def read_records(directories: Directories) -> Iterator[dict]:
+    """The metadata line of every image of one or more finished output directories (what is done)."""
+    for _, jsonl, _ in _shards_of(directories):
+        yield from _records(jsonl)
+
+
+def read_embeddings(directories: Directories) -> Iterator[tuple[dict, dict[str, np.ndarray]]]:
+    """Every input of one or more finished output directories, in directory, shard and row
+    order: (its metadata line, {output name: float32 [tokens, out_hidden], "grid_thw": int64 [3]},
+    and for a video "timestamps": float64 [T/2], seconds of each temporal group's first frame).
+    Shards are memory-mapped, so a collection of any size is read one image at a time. A
+    directory with no finished shard (and no failures.jsonl: a run whose every image failed) is
+    refused in one line, not read as an empty collection."""
+    for shard, jsonl, entries in _shards_of(directories):
+        raw = np.memmap(shard, dtype=np.uint8, mode="r")
+        views = {}
+        for name, entry in entries.items():
+            if name in ("grid_thw", "offsets"):
+                continue
+            kind = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[entry.dtype]
+            views[name] = (raw[entry.begin:entry.end].view(kind).reshape(entry.shape), entry.dtype)
+        for record in _records(jsonl):
+            a, b = record["rows"]
+            arrays = {name: (bf16_to_f32(v[a:b]) if dt == "BF16" else v[a:b].astype(np.float32))
+                      for name, (v, dt) in views.items()}
+            arrays["grid_thw"] = np.array(record["grid_thw"], dtype=np.int64)
+            if record.get("kind") == "video":
+                arrays["timestamps"] = np.array(record["timestamps"], dtype=np.float64)
+            yield record, arrays
