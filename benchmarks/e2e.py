@@ -13,14 +13,15 @@ Issue 14, item 8, in one process and one command:
    pipeline's clock: from the first file read to the last shard renamed; binding the
    checkpoint is outside it); the whole process's wall time is reported beside it, and the
    records in the shards' .jsonl are counted (one per photo, or the run fails). Peak host
-   RSS: `main` is the CLI process's own peak (getrusage RUSAGE_SELF, read by a two-line
-   wrapper when the CLI is done: kept by the kernel, exact); `largest worker` the highest
-   peak (VmHWM) of any of its descendants, the decode workers and their forkserver, and
+   RSS: `main` is the CLI process's own peak (VmHWM of /proc/self/status, read by a short
+   wrapper when the CLI is done: kept by the kernel, exact; not getrusage's ru_maxrss, which
+   a process started by fork (or vfork) and exec inherits from its parent: the benchmark's
+   own peak, 23 GB once, read as the CLI's); `largest worker` the highest
+   peak (VmHWM) of any of its descendants (the decode workers, started by workers.Child), and
    `tree` the peak of the RSS summed over the process and all its descendants, both read
    from /proc every 0.1 s (the workers' VmHWM is kept by the kernel too, so only growth in a
    worker's last 0.1 s could be missed; the sum counts shared pages once per process, so it
-   overstates). RUSAGE_CHILDREN would not do: the workers are children of the forkserver,
-   which the CLI never waits for.
+   overstates).
 3. Forward only on the same grids: the same files preprocessed by our own `canvas` (in a
    process pool, untimed), packed by the pipeline's own `plan_batches` under the same
    p_max, each batch's float32 pixel_values uploaded before the clock starts; then
@@ -84,8 +85,9 @@ TARGET_TRANSFORMERS_RATIO = 7.0
 SAMPLE_S = 0.1
 
 # Runs the CLI exactly as the `glmvit-cupy` entry point does (cli:main), then writes its own
-# peak RSS (kept by the kernel) to the file named by argv[1]; its exit status is the CLI's.
-CLI_WRAPPER = """import resource, sys
+# peak RSS in KiB (VmHWM: this process's address space's, which exec started afresh) to the
+# file named by argv[1]; its exit status is the CLI's.
+CLI_WRAPPER = """import sys
 from glmvit_cupy.cli import main
 report, sys.argv = sys.argv[1], ["glmvit-cupy"] + sys.argv[2:]
 try:
@@ -94,7 +96,7 @@ try:
 except SystemExit as exc:
     code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 with open(report, "w") as f:
-    f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    f.write(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
 sys.exit(code)
 """
 

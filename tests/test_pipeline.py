@@ -367,6 +367,38 @@ def test_decoders_give_the_in_thread_canvases_in_order(tmp_path, workers, thread
     assert all(np.array_equal(g.canvas, w.canvas) and g.sha256 == w.sha256 for g, w in zip(got[:-1], want[:-1]))
 
 
+def test_pixel_messages_arrive_whole_in_their_array():
+    """The worker's pixel messages read straight into their array: a message the socket hands
+    over in small pieces, the empty one (decoding failed part way), a size other than the
+    array's (a protocol fault, not a picture), and a worker gone inside a message."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from glmvit_cupy.errors import InternalError
+    from glmvit_cupy.collection.pipeline import _PIXELS_HEAD, _recv_pixels, _send_pixels
+
+    frame = np.random.default_rng(0).integers(0, 256, (300, 500, 3), dtype=np.uint8)
+    a, b = socket.socketpair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # each message arrives in pieces
+    ours, theirs = Connection(a.detach()), Connection(b.detach())
+    sender = threading.Thread(target=lambda: [_send_pixels(theirs, m) for m in (frame, b"", frame[:1, :1])])
+    sender.start()
+    out = np.zeros_like(frame)
+    assert _recv_pixels(ours, out) == frame.nbytes and np.array_equal(out, frame)
+    assert _recv_pixels(ours, out) == 0
+    with pytest.raises(InternalError, match=r"sent 3 bytes of pixels where 450000 were expected"):
+        _recv_pixels(ours, out)
+    sender.join()
+    ours.close(), theirs.close()
+    a, b = socket.socketpair()
+    ours = Connection(a.detach())
+    b.sendall(_PIXELS_HEAD.pack(frame.nbytes) + b"half")
+    b.close()
+    with pytest.raises(EOFError):
+        _recv_pixels(ours, out)
+    ours.close()
+
 FULL_DISK = r'''
 import errno, sys
 import glmvit_cupy.collection.shards as shards
@@ -466,37 +498,3 @@ def test_an_empty_file_says_so(tmp_path, tiny):
     errors = [json.loads(line)["error"] for line in (out / "failures.jsonl").read_text().splitlines()]
     assert errors == [f"{tmp_path / 'img' / 'zero.jpg'}: empty file (0 bytes)",
                       f"{tmp_path / 'data.tar'}:member.png: empty file (0 bytes)"]
-
-
-def test_pixels_are_received_in_place_in_connections_framing():
-    """_recv_bytes_into reads what Connection.send_bytes (the decode worker's side) sends: a 3 MB
-    message from another thread, in the socket's pieces, then an empty one (a video's failure mark);
-    a message larger than its room, a worker gone part way and one gone before the size fail in one
-    line each."""
-    import socket
-    import threading
-    from multiprocessing.connection import Connection
-
-    from glmvit_cupy.errors import InternalError
-    from glmvit_cupy.collection.pipeline import _recv_bytes_into
-
-    ours, theirs = socket.socketpair()
-    sender = Connection(theirs.detach())
-    pixels = np.random.default_rng(0).integers(0, 256, 3 * 2**20 + 7, dtype=np.uint8)
-    thread = threading.Thread(target=lambda: (sender.send_bytes(pixels), sender.send_bytes(b"")))
-    thread.start()
-    room = np.zeros(pixels.size, dtype=np.uint8)
-    assert _recv_bytes_into(ours, room) == pixels.size and np.array_equal(room, pixels)
-    assert _recv_bytes_into(ours, room) == 0
-    thread.join()
-    sender.send_bytes(b"x" * 11)
-    with pytest.raises(InternalError, match="sent 11 bytes of pixels into room for 10"):
-        _recv_bytes_into(ours, np.zeros(10, dtype=np.uint8))
-    ours.recv(11)
-    sender._send(struct.pack("!i", 100) + b"y" * 50)  # the header and half the pixels, then the worker dies
-    sender.close()
-    with pytest.raises(EOFError, match="closed its connection"):
-        _recv_bytes_into(ours, room)
-    with pytest.raises(EOFError, match="closed its connection"):
-        _recv_bytes_into(ours, room)
-    ours.close()

@@ -29,7 +29,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import struct
 import threading
 import time
@@ -124,12 +123,54 @@ def _start(item: Any, config: Config) -> Iterator[Any]:
         yield from steps  # a fault here is the caller's to catch: the frames before it are gone already
 
 
+# Pixels cross from a decode worker as raw bytes after the rest (a pickled array costs two more
+# copies of it: a third of a lone request's time), in messages of their own: an 8-byte length,
+# then the bytes, which the parent reads with os.readv straight into their array, without the
+# GIL. Connection.recv_bytes_into reads a message into a BytesIO in chunks and copies it out,
+# holding the GIL for both copies: ~500 MiB/s against ~2,500 MiB/s on a 2-core CPU, where a
+# video collection moves GBs of frames through the parent (benchmarks/NOTES.md, issue 26).
+_PIXELS_HEAD = struct.Struct("!Q")
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _send_pixels(conn: Any, pixels: np.ndarray | bytes) -> None:
+    """One pixel message (b"": the empty one, which says decoding failed part way)."""
+    data = memoryview(pixels).cast("B")
+    _write_all(conn.fileno(), memoryview(_PIXELS_HEAD.pack(len(data))))
+    _write_all(conn.fileno(), data)
+
+
+def _read_into(fd: int, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError("the decode worker's connection closed inside a message")
+        got += n
+
+
+def _recv_pixels(conn: Any, out: np.ndarray) -> int:
+    """One pixel message read into `out` (contiguous uint8), which it must fill; its size in
+    bytes (0: the empty message)."""
+    head = bytearray(_PIXELS_HEAD.size)
+    _read_into(conn.fileno(), memoryview(head))
+    (size,) = _PIXELS_HEAD.unpack(head)
+    if size and size != out.nbytes:
+        raise InternalError(f"a decode worker sent {size} bytes of pixels where {out.nbytes} were expected")
+    if size:
+        _read_into(conn.fileno(), memoryview(out).cast("B"))
+    return size
+
+
 def _decode_worker(conn: Any) -> None:
     """A decode worker process (workers.Child): (input, settings) in, Prepared out, until the
-    parent closes the connection. Pixels travel as raw bytes after the rest (a pickled array
-    costs two more copies of it: a third of a lone request's time): an image's canvas in one
-    message, a video's frames one a message as they are decoded, then an empty message and
-    the reason if decoding fails part way."""
+    parent closes the connection. Pixels follow the rest as pixel messages (_send_pixels): an
+    image's canvas in one, a video's frames one a message as they are decoded, then an empty
+    message and the reason if decoding fails part way."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     while True:
         try:
@@ -143,13 +184,13 @@ def _decode_worker(conn: Any) -> None:
         pixels, prepared.canvas = prepared.canvas, None
         conn.send((prepared, shape if pixels is None else pixels.shape))
         if pixels is not None:
-            conn.send_bytes(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+            _send_pixels(conn, np.ascontiguousarray(pixels))
         elif shape is not None:
             try:
                 for frame in steps:
-                    conn.send_bytes(memoryview(frame).cast("B"))
+                    _send_pixels(conn, frame)
             except (GlmVitError, MemoryError) as exc:
-                conn.send_bytes(b"")
+                _send_pixels(conn, b"")
                 conn.send(_reason(item, exc))
 
 
@@ -160,49 +201,22 @@ def _receive_prepared(conn: Any, budget: FrameBudget | None = None, ticket: Any 
     if shape is None:
         return prepared
     pixels = np.empty(shape, dtype=np.uint8)
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        if prepared.video is None:
-            _recv_bytes_into(sock, pixels.reshape(-1))  # flat: a 3-D view's len() is its height
-            prepared.canvas = pixels
-            return prepared
-        if budget is not None:
-            budget.take(ticket, pixels.nbytes)
-            prepared.held = pixels.nbytes
-        try:
-            for row in pixels.reshape(len(pixels), -1):  # a frame a message
-                if _recv_bytes_into(sock, row) == 0:  # decoding failed part way: the reason follows
-                    return Prepared(None, conn.recv(), prepared.nbytes, prepared.sha256, prepared.decode_s)
-            prepared.canvas = pixels
-            return prepared
-        finally:
-            if prepared.canvas is None and prepared.held:
-                budget.give(prepared.held)
-
-
-def _recv_bytes_into(sock: socket.socket, flat: np.ndarray) -> int:
-    """Connection.recv_bytes_into(flat) on the connection's socket, the bytes read from the kernel
-    straight into the array. Connection reads a message in socket-sized pieces into a BytesIO and
-    then copies it into the array, both under the GIL: for a 2.7 MB canvas 0.42 ms of CPU against
-    0.20 here, in a server whose every thread waits for that GIL (benchmarks/NOTES.md). The same
-    framing: a 4-byte big-endian size, then the bytes (Connection's 8-byte size of a message past
-    2 GiB never comes: a canvas or a frame is at most tens of MB); the size read."""
-    size = struct.unpack("!i", _recv_exactly(sock, 4))[0]
-    if not 0 <= size <= flat.nbytes:
-        raise InternalError(f"a decode worker sent {size} bytes of pixels into room for {flat.nbytes}")
-    view, got = memoryview(flat).cast("B"), 0
-    while got < size:
-        n = sock.recv_into(view[got:size])
-        if n == 0:
-            raise EOFError("the decode worker closed its connection")
-        got += n
-    return size
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = sock.recv(n, socket.MSG_WAITALL)
-    if len(data) < n:
-        raise EOFError("the decode worker closed its connection")
-    return data
+    if prepared.video is None:
+        _recv_pixels(conn, pixels)
+        prepared.canvas = pixels
+        return prepared
+    if budget is not None:
+        budget.take(ticket, pixels.nbytes)
+        prepared.held = pixels.nbytes
+    try:
+        for row in pixels.reshape(len(pixels), -1):  # a frame a message
+            if _recv_pixels(conn, row) == 0:  # decoding failed part way: the reason follows
+                return Prepared(None, conn.recv(), prepared.nbytes, prepared.sha256, prepared.decode_s)
+        prepared.canvas = pixels
+        return prepared
+    finally:
+        if prepared.canvas is None and prepared.held:
+            budget.give(prepared.held)
 
 
 def item_name(item: Any) -> str:
