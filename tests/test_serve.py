@@ -26,7 +26,8 @@ import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
 from glmvit_cupy.tower.checkpoint import locate_tower  # noqa: E402
 from glmvit_cupy.tower.synthetic import write_checkpoint  # noqa: E402
-from glmvit_cupy.deploy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, b64decode, listen  # noqa: E402
+from glmvit_cupy.deploy.front import b64decode  # noqa: E402
+from glmvit_cupy.deploy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, listen  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess  # noqa: E402
 from test_cli import assert_clean_failure, run  # noqa: E402
@@ -294,7 +295,7 @@ def test_overload_is_429_at_once_and_a_late_image_504(tiny_ckpt):
 def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_ckpt):
     """48 requests of one image while the engine is busy: they share one computation, so the batcher's
     queue holds one image and only the cap on held requests (2 x --max-queue 2 x 1 engine = 4, the
-    busy one included) can refuse them."""
+    busy one included) can refuse them. One HTTP front: the cap is split between the fronts."""
     flood, cap = 48, 4
 
     async def timed(client: httpx.AsyncClient, url: str, body: bytes):
@@ -313,7 +314,8 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
             answers = await asyncio.gather(*(timed(client, f"{server.url}/embed", image) for _ in range(flood)))
             busy_answer = await busy
             return answers, busy_answer, busy_done[0]
-    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2") as server:
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2",
+                       "--http-workers", "1") as server:
         assert httpx.get(f"{server.url}/info").json()["limits"]["max_requests"] == cap
         answers, busy, busy_answered = asyncio.run(main(server))
         assert httpx.get(f"{server.url}/health").status_code == 200
@@ -337,7 +339,7 @@ def test_accepted_connections_send_through_the_servers_send_buffer():
 
 
 def test_the_data_url_decode_is_base64_b64decode_refusing_what_it_refuses():
-    """serve.b64decode (NumPy, off the GIL) against the standard library's strict decode."""
+    """front.b64decode (NumPy, off the GIL) against the standard library's strict decode."""
     rng = np.random.default_rng(0)
     for n in [*range(40), 3 * 2**16 + 1, 700_002]:
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
@@ -470,7 +472,7 @@ def test_port_in_use_and_missing_extra_are_one_line(tiny_ckpt):
 def test_nothing_else_imports_the_server():
     code = ("import sys, cli, glmvit_cupy, glmvit_cupy.collection.pipeline, glmvit_cupy.deploy.devices, "
             "glmvit_cupy.deploy.encoder_cache; print(json.dumps(sorted(m for m in ('glmvit_cupy.deploy.serve', "
-            "'starlette', 'uvicorn', 'prometheus_client') "
+            "'glmvit_cupy.deploy.front', 'starlette', 'uvicorn', 'prometheus_client') "
             "if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []

@@ -55,9 +55,12 @@ class DeviceBase64:
             for _ in range(lanes):
                 self._free.put(_Lane(chunk))
 
-    def encode(self, array: np.ndarray) -> np.ndarray:
+    def encode(self, array: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The text, written into the start of `out` (a uint8 array with room for it) if given."""
         flat = flat_bytes(array)
-        out = np.empty(encoded_size(flat.size), dtype=np.uint8)
+        if out is None:
+            out = np.empty(encoded_size(flat.size), dtype=np.uint8)
+        out = out[:encoded_size(flat.size)]
         lane = self._free.get()
         try:
             with self.current(), lane.stream:
