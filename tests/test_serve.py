@@ -29,7 +29,7 @@ from glmvit_cupy.tower.synthetic import write_checkpoint  # noqa: E402
 from glmvit_cupy.deploy.front import b64decode  # noqa: E402
 from glmvit_cupy.deploy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, listen  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
-from serving import ServerProcess  # noqa: E402
+from serving import ServerProcess, alive  # noqa: E402
 from test_cli import assert_clean_failure, run  # noqa: E402
 
 TOLERANCE = 1e-5  # float32 outputs of the same image in another batch (test_pipeline's batched vs alone)
@@ -352,13 +352,17 @@ def test_the_data_url_decode_is_base64_b64decode_refusing_what_it_refuses():
             b64decode(bad)
 
 
-def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
+@pytest.mark.parametrize("fronts", [1, 2])
+def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt, fronts):
     """... and the process ran at the server's GIL switch interval, its log lines (written by a thread)
-    all out before it exited."""
+    all out before it exited. With two HTTP fronts the requests are held by both, and the engine
+    process exits once both have answered theirs and exited."""
     at_exit = "import atexit, sys; atexit.register(lambda: print('switch interval', sys.getswitchinterval(), " \
               "file=sys.stderr))"
-    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1", prelude=at_exit)
+    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1", "--http-workers",
+                           str(fronts), prelude=at_exit)
     try:
+        pids = server.front_pids()
         assert {server.metric("glmvit_engine_images_total", engine=e) for e in ("0", "1")} == {1}  # the warm-ups
 
         def taken() -> float:
@@ -382,7 +386,9 @@ def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
         server.stop()  # its stderr read to the end
         assert "Traceback" not in server.log()
         assert len(re.findall(r"POST /embed 200 ", server.log())) == 4
+        assert set(re.findall(r"front (\d): .*POST /embed 200 ", server.log())) == {str(i) for i in range(fronts)}
         assert server.lines[-1] == f"switch interval {SWITCH_INTERVAL_S}"
+        assert not any(alive(pid) for pid in pids)
     finally:
         server.stop()
 

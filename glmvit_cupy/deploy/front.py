@@ -28,6 +28,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -61,12 +62,13 @@ from ..collection.staging import DEFAULT_DTYPE, DTYPES
 from ..processor.preprocess import EncodedImage, ProcessorConfig
 from ..tower.writer import flat_bytes, safetensors_chunks
 from .encoder_cache import HIT, image_digest
-from .handoff import BASE64, SlotLayout, log_through_thread, mapped, read_arrays, receive, send
+from .handoff import BASE64, SlotLayout, board_bytes, log_through_thread, mapped, read_arrays, receive, send
 
 log = logging.getLogger(__name__)
 
 B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time (host base64): 1 MiB of base64
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
+ACCEPT_DEFER_S = 0.002  # how long a front leaves a connection to a front with fewer (_FrontServer)
 TIME_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60)
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
@@ -101,6 +103,7 @@ class FrontSettings:
     info: dict[str, Any]  # the /info body
     limits: Limits
     max_requests: int  # this front's share of the held requests: its slots
+    fronts: int  # how many there are: the board's entries
     layout: SlotLayout
     processor: ProcessorConfig
 
@@ -469,12 +472,59 @@ def create_app(front: Front) -> Starlette:
 
 
 class _FrontServer(uvicorn.Server):
-    """uvicorn's server, stopped by the engine only: once it says draining and nothing is held, or
-    failed (uvicorn's graceful shutdown still answers the requests held)."""
+    """uvicorn's server on the engine's listener, accepting one connection at a time, and stopped by the
+    engine only: once it says draining and nothing is held, or failed (uvicorn's graceful shutdown still
+    answers the requests held).
 
-    def __init__(self, config: uvicorn.Config, front: Front) -> None:
+    uvloop's own server accepts every connection waiting each time the listener is readable, and the
+    front the kernel wakes first took every connection of a burst (32 of 32 in test_serve_fronts):
+    with keep-alive clients one front would carry the load while the others idle. So the fronts
+    share a board (handoff.py: each front's open connections), and a front leaves a connection to
+    one with fewer, for up to ACCEPT_DEFER_S (it may be busy, or dead)."""
+
+    def __init__(self, config: uvicorn.Config, front: Front, listener: socket.socket, board: np.ndarray) -> None:
         super().__init__(config)
-        self.front = front
+        self.front, self.listener, self.board = front, listener, board
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=[])  # the app's lifespan; no server of uvicorn's
+        self._accepting = asyncio.ensure_future(self._accept())
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        protocol = functools.partial(self.config.http_protocol_class, config=self.config,
+                                     server_state=self.server_state, app_state=self.lifespan.state)
+        index, deferred_since = self.front.settings.index, None
+        while True:
+            readable = loop.create_future()
+            loop.add_reader(self.listener, readable.set_result, None)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(self.listener)
+            self.board[index] = mine = len(self.server_state.connections)
+            now = time.monotonic()
+            if mine > self.board.min() and (deferred_since is None or now - deferred_since < ACCEPT_DEFER_S):
+                deferred_since = deferred_since or now
+                await asyncio.sleep(ACCEPT_DEFER_S / 10)
+                continue
+            deferred_since = None
+            try:
+                connection, _ = self.listener.accept()
+            except BlockingIOError:  # another front took it
+                continue
+            except OSError as exc:  # out of file descriptors, a connection reset before its accept
+                log.error("glmvit-cupy: accepting a connection: %s", exc)
+                await asyncio.sleep(ACCEPT_DEFER_S)
+                continue
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.connect_accepted_socket(protocol, connection)
+            self.board[index] = len(self.server_state.connections)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._accepting.cancel()
+        self.listener.close()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         pass  # the engine process drains the fronts (a signal to the group reaches it too)
@@ -491,16 +541,20 @@ def main(settings: FrontSettings, conn: Any) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     channel = socket.socket(fileno=os.dup(conn.fileno()))
-    _, (listener_fd, memory_fd), _, _ = socket.recv_fds(channel, 1, 2)
+    _, (listener_fd, memory_fd, board_fd), _, _ = socket.recv_fds(channel, 1, 3)
     memory = mapped(memory_fd, settings.layout.size)
+    board = mapped(board_fd, board_bytes(settings.fronts)).view(np.int64)
     os.close(memory_fd)
+    os.close(board_fd)
+    listener = socket.socket(fileno=listener_fd)
+    listener.setblocking(False)
     lines = log_through_thread(log, f"front {settings.index}: ")
     try:
         front = Front(settings, memory, channel)
         # uvicorn's own lines (startup banners, its access log) off: ours say it in one line each.
         config = uvicorn.Config(create_app(front), log_config=None, log_level="warning", access_log=False,
                                 lifespan="on")
-        _FrontServer(config, front).run(sockets=[socket.socket(fileno=listener_fd)])
+        _FrontServer(config, front, listener, board).run()
     finally:
         lines.stop()  # the lines queued are written first
 

@@ -1,6 +1,6 @@
 """What the server's engine process and its HTTP front processes share (serve.py, front.py): the
-messages on a front's socket pair, the slots of a front's shared memory, and how an answer's
-arrays lie in a slot.
+messages on a front's socket pair, the slots of a front's shared memory, how an answer's arrays
+lie in a slot, and the board where the fronts say how many connections each holds.
 
 A message is a 4-byte length and a JSON object with an "op"; bulk bytes never cross the socket.
 A front's shared memory is one memfd, made by the engine and passed to the front (SCM_RIGHTS),
@@ -93,6 +93,11 @@ class SlotLayout:
     def answer(self, memory: np.ndarray, slot: int) -> np.ndarray:
         start = slot * self.slot_bytes + self.canvas_bytes
         return memory[start:start + self.answer_bytes]
+
+
+def board_bytes(fronts: int) -> int:
+    """The fronts' board: a memfd of one int64 a front, its open connections (front.py's accepts)."""
+    return 8 * fronts
 
 
 def memfd(size: int) -> int:

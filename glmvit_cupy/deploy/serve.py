@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
@@ -49,7 +50,7 @@ from ..workers import Child
 from .encoder_cache import EncoderCache
 from .front import TIME_BUCKETS, FrontSettings, Limits
 from .front import main as front_main
-from .handoff import SlotLayout, log_through_thread, mapped, memfd, receive, send, write_arrays
+from .handoff import SlotLayout, board_bytes, log_through_thread, mapped, memfd, receive, send, write_arrays
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,8 @@ class Engine:
         self.layout = SlotLayout.of(vit.processor, vit.geometry, math.ceil(self.max_requests / http_workers))
         self.requesters: dict[str, list[_Requester]] = {}  # by cache key: who could decode its image
         self.links: list[_FrontLink | None] = [None] * http_workers
+        self.board = memfd(board_bytes(http_workers))  # the fronts' (front.py), passed to each
+        self.connections = mapped(self.board, board_bytes(http_workers)).view(np.int64)
         self.deaths: list[float] = []
         self.done = asyncio.Event()
         self.info = {
@@ -298,15 +301,15 @@ class Engine:
     # -- the fronts -------------------------------------------------------------------------------
 
     async def _start_front(self, index: int) -> None:
-        settings = FrontSettings(index, self.model, self.info, self.limits, self.layout.slots, self.layout,
-                                 self.vits[0].processor)
+        settings = FrontSettings(index, self.model, self.info, self.limits, self.layout.slots, self.http_workers,
+                                 self.layout, self.vits[0].processor)
         child = Child(front_main, (settings,), f"glmvit-cupy HTTP front {index}",
                       env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir})
         channel = socket.socket(fileno=os.dup(child.conn.fileno()))
         child.conn.close()
         fd = memfd(self.layout.size)
         try:
-            socket.send_fds(channel, [b"f"], [self.sock.fileno(), fd])
+            socket.send_fds(channel, [b"f"], [self.sock.fileno(), fd, self.board])
             memory = mapped(fd, self.layout.size)
         finally:
             os.close(fd)
@@ -359,6 +362,7 @@ class Engine:
                       f"{link.index}, pid {link.child.pid}: {how})")
             return
         log.error("glmvit-cupy: HTTP front %d (pid %d) died (%s); starting another", link.index, link.child.pid, how)
+        self.connections[link.index] = np.iinfo(np.int64).max  # no front waits for it to accept
         link.child.kill()
         await self._start_front(link.index)
 
