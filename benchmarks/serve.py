@@ -247,9 +247,20 @@ class Load:
         return self.split("poisson", [(rate / self.procs, seconds)] * self.procs)[0]
 
 
+def server_options(args: argparse.Namespace) -> list[str]:
+    """The `glmvit-cupy serve` options a benchmark passes on."""
+    fronts = ["--http-workers", str(args.http_workers)] if args.http_workers else []
+    return ["--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue), *fronts]
+
+
+def benchmark_server_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    ap.add_argument("--http-workers", type=int, default=0, help="the server's --http-workers [default: its own]")
+
+
 def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
     """The server's CPU over `wall` seconds: its three busiest threads' shares of a core (`main` runs the
-    event loop), its process's and its tree's cores."""
+    engine's event loop), its process's and its tree's (the HTTP fronts') cores."""
     threads = {name: after[name] - before.get(name, 0.0) for name in after if name != "tree"}
     top = sorted(threads, key=threads.__getitem__, reverse=True)[:3]
     return dict(threads={name: round(threads[name] / wall, 3) for name in top},
@@ -420,11 +431,11 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
         import cupy
         cupy.get_default_memory_pool().free_all_blocks()
 
-    with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
-                       ready_s=600) as server:
+    with ServerProcess(*server_options(args), ready_s=600) as server:
         record = drive(args, server, files, lone)
         status = server.stop(timeout_s=REQUEST_TIMEOUT_S)
-    record.update(backend=args.backend, images=len(files), max_queue=args.max_queue, forward_only=fwd,
+    record.update(backend=args.backend, images=len(files), max_queue=args.max_queue,
+                  http_workers=args.http_workers or "the server's default", forward_only=fwd,
                   lone_forward_ms=round(lone_forward, 3), server_exit=status,
                   saturation_over_forward=round(record["saturation"]["images_per_s"] / fwd["images_per_s"], 3),
                   env=environment(args.backend), benchmark_wall_s=round(time.perf_counter() - t0, 1))
@@ -434,7 +445,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
 def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="clients of the closed loops (saturation, cache)")
     ap.add_argument("--clients", type=int, default=4, help="client processes sharing the load [default: 4]")
-    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    benchmark_server_options(ap)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75],
                     help="Poisson rates as shares of saturation [default: 0.25,0.5,0.75]")
     ap.add_argument("--rate-s", type=float, default=30.0, help="seconds at each Poisson rate")

@@ -1,12 +1,14 @@
-"""Where a saturated server holds the GIL, per image and by stage (issue 25): `glmvit-cupy serve`
-driven as benchmarks/serve.py's saturation step drives it, sampled meanwhile by py-spy with `--gil`
-(only the thread holding the GIL is recorded), each sample put in the stage its stack names.
+"""Where a saturated server's engine process holds the GIL, per image and by stage (issue 25):
+`glmvit-cupy serve` driven as benchmarks/serve.py's saturation step drives it, the engine process
+sampled meanwhile by py-spy with `--gil` (only the thread holding the GIL is recorded), each sample
+put in the stage its stack names; the HTTP fronts' CPU an image beside it.
 
-The server's one process carries every request's Python: parse, base64 decode, hashing, the hand-off
-to the decode workers, the batcher's threads, the answer's building and writes. Whatever of it holds
-the GIL runs one thread at a time, so its sum per image bounds the images a second one process can
-serve. On the NumPy backend the forward runs in the dispatcher thread (mostly BLAS, without the GIL);
-its GIL share is listed apart, as it stands for the GPU's kernel launches there.
+The engine process is the one of its kind: the hand-off to and from the HTTP fronts, the cache, the
+batchers' threads, the answers into the fronts' slots. Whatever of it holds the GIL runs one thread
+at a time, so its sum per image bounds the images a second the server can serve (the fronts' work
+is spread over --http-workers processes). On the NumPy backend the forward runs in the dispatcher
+thread (mostly BLAS, without the GIL); its GIL share is listed apart, as it stands for the GPU's
+kernel launches there.
 
     python benchmarks/serve_gil.py --model /tmp/glmvit-wide --backend numpy --images 48 --py-spy /tmp/pyspy/bin/py-spy
     python benchmarks/serve_gil.py --model CKPT --images 1000 --concurrency 64 --clients 4 --passes 1 \\
@@ -30,7 +32,8 @@ from PIL import Image
 
 from e2e import benchmark_main, load_collection, save  # puts the repo on sys.path
 from proctree import thread_cpu
-from serve import Bodies, Load, _busy, _stage_means, _stage_seconds, media_of, small_photos
+from serve import (Bodies, Load, _busy, _stage_means, _stage_seconds, benchmark_server_options, media_of,
+                   server_options, small_photos)
 from serving import ServerProcess
 
 # (stage, markers): a sample is in the stage of the innermost frame its stack shares with a marker
@@ -39,14 +42,16 @@ STAGES = (
     ("forward (NumPy tower; launches on a GPU)", ("NumpyTower.", "NumpyStager.submit")),
     ("stager: canvases into the slot, launches", ("CupyStager.",)),
     ("request body read + JSON parse", ("_read_body (", "_parse_embeddings (")),
-    ("base64 decode of the data URL", ("Service._input_bytes (",)),
+    ("base64 decode of the data URL", ("Front._input_bytes (",)),
+    ("hand-off to/from the HTTP fronts, answers into their slots", ("Engine._serve_front (", "Engine._lookup (",
+                                                                   "Engine._compute (", "Engine._leave (",
+                                                                   "write_arrays (")),
     ("sha256 + cache", ("image_digest (", "EncoderCache.")),
-    ("hand-off to/from decode workers", ("DecodePool.", "_receive_prepared (", "Decoder.submit (")),
     ("batcher bookkeeping (submit, decoded, dispatch, collect)", ("Batcher.",)),
     ("answer: rows out of the batch, GlmVitOutput", ("Batcher._answer (", "library_output (", "Pending.result (")),
     ("answer: JSON + base64 build", ("_embeddings_parts (", "_base64_parts (", "DeviceBase64.")),
     ("answer: writes to the socket", ("_PartsResponse.__call__ (", "RequestResponseCycle.send (")),
-    ("metrics + access log", ("Service.finish (", "Metrics.", "Histogram.", "Counter.", "Logger.")),
+    ("metrics + access log", ("Front.finish (", "Metrics.", "Histogram.", "Counter.", "Logger.")),
 )
 OTHER = "event loop, HTTP parsing, the rest"
 
@@ -89,8 +94,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
     prelude = "" if args.switch_interval_ms is None else \
         f"import glmvit_cupy.deploy.serve as s; s.SWITCH_INTERVAL_S = {args.switch_interval_ms / 1000}"
     spy, raw = None, Path(tempfile.mkdtemp()) / "gil.txt"
-    with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
-                       ready_s=600, prelude=prelude) as server:
+    with ServerProcess(*server_options(args), ready_s=600, prelude=prelude) as server:
         load = Load(server.url, files, args.clients, args.concurrency + 4, args.seed)
         try:
             load.each(len(files), args.concurrency)  # warm: every grid seen once
@@ -130,7 +134,9 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
     total = sum(stages.values())
     record = dict(images=images, kind="cache hits" if args.repeat else "images", wall_s=round(wall, 2),
                   per_s=round(images / wall, 2), concurrency=args.concurrency, backend=args.backend,
-                  switch_interval_ms=args.switch_interval_ms, server_cpu=busy, stage_mean_ms=stage_ms,
+                  switch_interval_ms=args.switch_interval_ms, http_workers=args.http_workers or "the server's",
+                  server_cpu=busy, fronts_cpu_ms=round(1000 * (busy["tree_cores"] - busy["process_cores"]) * wall
+                                                       / images, 2), stage_mean_ms=stage_ms,
                   gil_ms={stage: round(n * scale, 3) for stage, n in stages.most_common()},
                   gil_held_share=round(total / args.rate / (wall + 1.0), 3) if spy is not None else None,
                   thread_ms={t: dict(gil=round(threads[t] * scale, 3), cpu=round(ms, 3))
@@ -138,7 +144,8 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
     interval = "the server's" if args.switch_interval_ms is None else f"{args.switch_interval_ms:g} ms"
     lines = [f"{images} {record['kind']} in {wall:.1f} s ({images / wall:.1f}/s), {args.concurrency} clients, backend "
              f"{args.backend}, switch interval {interval}; server process "
-             f"{busy['process_cores']} cores, tree {busy['tree_cores']}; a thread held the GIL "
+             f"{busy['process_cores']} cores, tree {busy['tree_cores']} (the HTTP fronts: "
+             f"{record['fronts_cpu_ms']} CPU ms an image); a thread of the engine process held the GIL "
              f"{record['gil_held_share']} of the time; the server's mean ms of {stage_ms}", ""]
     if spy is not None:
         lines += ["| stage | GIL ms an image | share |", "| --- | --- | --- |"]
@@ -152,7 +159,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
 def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", type=int, default=16, help="clients of the closed loop")
     ap.add_argument("--clients", type=int, default=2, help="client processes sharing the load")
-    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    benchmark_server_options(ap)
     ap.add_argument("--passes", type=int, default=2, help="passes over the photos while py-spy samples")
     ap.add_argument("--repeat", type=int, default=0,
                     help="requests a pass of the median photo's bytes (cache hits) instead of each photo once")

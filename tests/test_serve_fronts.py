@@ -100,7 +100,9 @@ def test_nothing_is_left_in_dev_shm_or_the_temporary_directory(tiny_ckpt, tmp_pa
     assert list(tmp_path.iterdir()) == [] and set(os.listdir("/dev/shm")) == shm
 
 
-def test_the_fronts_die_with_the_engine(tiny_ckpt):
+def test_the_fronts_die_with_the_engine(tiny_ckpt, tmp_path, monkeypatch):
+    """... however it dies: SIGKILL leaves its metrics directory behind (in TMPDIR), nothing else."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", *TWO_FRONTS)
     pids = server.front_pids()
     server.proc.kill()
