@@ -1,8 +1,10 @@
 """`glmvit-cupy serve` as processes: two HTTP fronts over the one engine process (NumPy backend, tiny
 checkpoint, loopback). A killed front is replaced while the other answers; /metrics counts every
 front's requests; concurrent distinct images come back bit for bit as `encode` makes them, whichever
-front took them; nothing is left in /dev/shm or the temporary directory after exit; the fronts die
-with the engine. The drain with two fronts is test_serve.py's SIGTERM test."""
+front took them; a computation outlives the request that started it, and keeps its slot; a request
+of more images than a front has slots is 429; nothing is left in /dev/shm or the temporary
+directory after exit; the fronts die with the engine. The drain with two fronts is test_serve.py's
+SIGTERM test."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 
 from glmvit_cupy import GlmVit  # noqa: E402
 from serving import ServerProcess, alive  # noqa: E402
-from test_serve import png, safetensors_arrays, until  # noqa: E402
+from test_serve import data_url, error_of, occupy_engine, png, safetensors_arrays, until  # noqa: E402
 
 TWO_FRONTS = ("--http-workers", "2")
 
@@ -86,6 +88,48 @@ def test_concurrent_distinct_images_over_two_fronts_equal_encode_bit_for_bit(tin
         assert np.array_equal(got["pooler_output"], want.pooler_output)
         assert np.array_equal(got["last_hidden_state"], want.last_hidden_state)
         assert got["grid_thw"].tolist() == want.grid_thw.tolist()
+
+
+def test_a_computation_outlives_the_request_that_started_it_and_keeps_its_slot(tiny_ckpt, vit):
+    """Three requests of one image while the engine is busy: the first (its front decoded the image into
+    that request's slot) gives up while the canvas waits in the batcher; the two that share its
+    computation still get the image's embedding, and a request arriving meanwhile does not take the
+    departed one's slot from under the batcher (the slot stays the engine's until the batcher has
+    read the canvas). One front: its slots are handed out last freed first."""
+    image, other = png(64, seed=400), png(64, seed=401)
+
+    async def main(server: ServerProcess):
+        embed = f"{server.url}/embed?dtype=float32"
+        shared_before = await asyncio.to_thread(server.metric, "glmvit_cache_requests_total", result="shared")
+        async with httpx.AsyncClient(timeout=60) as client:
+            busy = await occupy_engine(client, server, seed=402)
+            first = asyncio.ensure_future(client.post(embed, content=image, timeout=0.6))
+            await until(lambda: server.metric("glmvit_queue_size", engine="0") == 1)
+            sharing = [asyncio.ensure_future(client.post(embed, content=image)) for _ in range(2)]
+            await until(lambda: server.metric("glmvit_cache_requests_total", result="shared") == shared_before + 2)
+            with pytest.raises(httpx.TimeoutException):  # gives up: its canvas is still queued
+                await first
+            await asyncio.to_thread(server.wait_for, r"POST /embed 499 ", 10)
+            late = await client.post(embed, content=other)
+            return await busy, await asyncio.gather(*sharing), late
+
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--http-workers", "1") as server:
+        busy, sharing, late = asyncio.run(main(server))
+    assert busy.status_code == 200 and [r.status_code for r in sharing] == [200, 200] and late.status_code == 200
+    for r, data in [*((r, image) for r in sharing), (late, other)]:
+        got = safetensors_arrays(r.content)["pooler_output"]
+        assert np.array_equal(got, vit.encode(data, dtype="float32")[0].pooler_output)
+
+
+def test_a_request_of_more_images_than_a_front_holds_is_429(tiny_ckpt):
+    """2 x --max-queue 1 = 2 held requests, one a front: a front has one slot, and a request of two
+    images (each needs its slot at once) is refused, not left waiting for a slot that never comes."""
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "1", *TWO_FRONTS) as server:
+        two = [data_url(png(40, seed=i)) for i in (1, 2)]
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"input": two}, timeout=30)
+        assert r.status_code == 429 and error_of(r) == ("overloaded: a request of 2 images is more than a front "
+                                                        "holds at once (1): send fewer a request")
+        assert httpx.post(f"{server.url}/v1/embeddings", json={"input": two[:1]}).status_code == 200
 
 
 def test_nothing_is_left_in_dev_shm_or_the_temporary_directory(tiny_ckpt, tmp_path, monkeypatch):
