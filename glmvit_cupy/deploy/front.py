@@ -247,7 +247,11 @@ class Front:
             prep = prepare(EncodedImage("image", image.data), self.settings.processor)
             if prep.error is not None:
                 return {"error": prep.error}
-            self.layout.canvas(self.memory, image.slot, prep.canvas.shape)[...] = prep.canvas
+            try:
+                self.layout.canvas(self.memory, image.slot, prep.canvas.shape)[...] = prep.canvas
+            except ValueError as exc:  # larger than the processor's budget makes: a bug, the image's failure
+                log.error("glmvit-cupy: %s", exc)
+                return {"error": f"image: {exc}"}
             return {"shape": list(prep.canvas.shape), "decode_s": prep.decode_s}
 
         send(self.writer, {"op": "canvas", "id": image_id, **await asyncio.to_thread(into_slot)})

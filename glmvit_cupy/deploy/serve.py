@@ -301,6 +301,8 @@ class Engine:
     # -- the fronts -------------------------------------------------------------------------------
 
     async def _start_front(self, index: int) -> None:
+        if self.draining or self.failure is not None:  # the listener is closed: the fronts only go now
+            return
         settings = FrontSettings(index, self.model, self.info, self.limits, self.layout.slots, self.http_workers,
                                  self.layout, self.vits[0].processor)
         child = Child(front_main, (settings,), f"glmvit-cupy HTTP front {index}",
