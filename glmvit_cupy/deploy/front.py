@@ -16,7 +16,7 @@ reads it from there. Separate from serve.py so that the process whose GIL the en
 none of this, and the decode pool is the fronts themselves.
 
 Every failure is one status and one line (`HttpError`), and one bad request fails alone. A front
-holds at most its share of the server's held requests (2 x --max-queue a engine), arrival to
+holds at most its share of the server's held requests (2 x --max-queue an engine), arrival to
 response sent; past it 429 at once (`Front.admit`). A client that disconnects has its work
 cancelled. Fronts ignore SIGINT and SIGTERM: the engine drains them (a terminal's Ctrl-C or a
 service manager's SIGTERM to the group reaches it too), and they die with it.
