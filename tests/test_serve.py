@@ -329,6 +329,28 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
     assert len({r.content for status, _, r in answers if status == 200}) == 1
 
 
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
+    """A connection idle 6 s (past httpx's 5 s pool expiry, which equalled uvicorn's own idle
+    timeout: a POST sent as the server closed it was reset) still answers."""
+    host, port = httpx.URL(server.url).host, httpx.URL(server.url).port
+
+    def health(sock: socket.socket) -> bytes:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: glmvit\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+                re.search(rb"content-length: (\d+)", data, re.I).group(1)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data  # closed by the server
+            data += chunk
+        return data
+
+    with socket.create_connection((host, port), timeout=10) as sock:
+        assert health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert health(sock).startswith(b"HTTP/1.1 200")
+
+
 def test_accepted_connections_send_through_the_servers_send_buffer():
     """uvloop writes as much of an answer as the kernel takes while holding the GIL: the listener's
     SO_SNDBUF bounds it, and what the server accepts inherits it (Linux doubles the value set)."""

@@ -69,6 +69,10 @@ log = logging.getLogger(__name__)
 B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time (host base64): 1 MiB of base64
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 ACCEPT_DEFER_S = 0.002  # how long a front leaves a connection to a front with fewer (_FrontServer)
+# An idle keep-alive connection is closed after this long. uvicorn's 5 s equals httpx's pool expiry:
+# a client sending on a connection as the server closes it gets a reset, and a POST is not retried.
+# Longer than the clients people use keep theirs (httpx 5 s, aiohttp 15 s), as nginx's 75 s.
+KEEP_ALIVE_S = 75
 TIME_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60)
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
@@ -557,7 +561,7 @@ def main(settings: FrontSettings, conn: Any) -> None:
         front = Front(settings, memory, channel)
         # uvicorn's own lines (startup banners, its access log) off: ours say it in one line each.
         config = uvicorn.Config(create_app(front), log_config=None, log_level="warning", access_log=False,
-                                lifespan="on")
+                                lifespan="on", timeout_keep_alive=KEEP_ALIVE_S)
         _FrontServer(config, front, listener, board).run()
     finally:
         lines.stop()  # the lines queued are written first
