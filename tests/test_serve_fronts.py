@@ -2,9 +2,9 @@
 checkpoint, loopback). A killed front is replaced while the other answers; /metrics counts every
 front's requests; concurrent distinct images come back bit for bit as `encode` makes them, whichever
 front took them; a computation outlives the request that started it, and keeps its slot; a request
-of more images than a front has slots is 429; nothing is left in /dev/shm or the temporary
-directory after exit; the fronts die with the engine. The drain with two fronts is test_serve.py's
-SIGTERM test."""
+of more images than a front has slots is 429; a burst's slot pages go back under a lighter load;
+nothing is left in /dev/shm or the temporary directory after exit; the fronts die with the engine.
+The drain with two fronts is test_serve.py's SIGTERM test."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx", reason="the [serve] extra is not installed"
 pytest.importorskip("starlette", reason="the [serve] extra is not installed")
 
 from glmvit_cupy import GlmVit  # noqa: E402
+from glmvit_cupy.deploy.front import WARM_SLOTS  # noqa: E402
 from serving import ServerProcess, alive  # noqa: E402
 from test_serve import data_url, error_of, occupy_engine, png, safetensors_arrays, until  # noqa: E402
 
@@ -119,6 +120,45 @@ def test_a_computation_outlives_the_request_that_started_it_and_keeps_its_slot(t
     for r, data in [*((r, image) for r in sharing), (late, other)]:
         got = safetensors_arrays(r.content)["pooler_output"]
         assert np.array_equal(got, vit.encode(data, dtype="float32")[0].pooler_output)
+
+
+def slots_resident_bytes(pid: int) -> int:
+    """Bytes of a front's slots memfd (its larger memfd mapping) resident in the process, from smaps."""
+    mappings, current = [], None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                current = [int(head.group(2), 16) - int(head.group(1), 16), 0] if "memfd:glmvit-front" in line else None
+                if current:
+                    mappings.append(current)
+            elif current is not None and line.startswith("Rss:"):
+                current[1] = int(line.split()[1]) * 1024
+    return max(mappings)[1]
+
+
+def test_a_burst_s_slot_pages_go_back_under_a_lighter_load(tiny_ckpt):
+    """Sixteen images queued at once behind a busy engine fill sixteen slots of the one front; as their
+    answers and later ones, one at a time, are sent, each gives back the pages of a cold slot, down to
+    the few a load of one keeps warm."""
+    async def burst(server: ServerProcess, front: int) -> tuple[list[httpx.Response], int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            busy = await occupy_engine(client, server, seed=500)
+            queued = [asyncio.ensure_future(client.post(f"{server.url}/embed", content=png(448, seed=501 + i)))
+                      for i in range(16)]
+            await until(lambda: server.metric("glmvit_queue_size", engine="0") == 16)
+            resident = slots_resident_bytes(front)
+            return [await busy, *await asyncio.gather(*queued)], resident
+
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--http-workers", "1") as server:
+        front = server.front_pids()[0]
+        answers, during = asyncio.run(burst(server, front))
+        assert [r.status_code for r in answers] == [200] * 17
+        for i in range(16):
+            assert httpx.post(f"{server.url}/embed", content=png(448, seed=520 + i)).status_code == 200
+        after = slots_resident_bytes(front)
+    canvas = 448 * 448 * 3
+    assert during > 16 * canvas and after < (WARM_SLOTS + 2) * canvas, (during, after)
 
 
 def test_a_request_of_more_images_than_a_front_holds_is_429(tiny_ckpt):

@@ -73,6 +73,7 @@ ACCEPT_DEFER_S = 0.002  # how long a front leaves a connection to a front with f
 # a client sending on a connection as the server closes it gets a reset, and a POST is not retried.
 # Longer than the clients people use keep theirs (httpx 5 s, aiohttp 15 s), as nginx's 75 s.
 KEEP_ALIVE_S = 75
+WARM_SLOTS = 4  # free slots a front lets keep their pages (_Slots): a slot's first use faults in its pages
 TIME_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60)
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
@@ -162,19 +163,28 @@ class _Image:
 
 class _Slots:
     """A front's slots: a request takes all it needs at once, in arrival order (no request holds some
-    while waiting for more, so none waits for ever)."""
+    while waiting for more, so none waits for ever). The last given back is the first taken, so a
+    steady load keeps reusing the same few; past WARM_SLOTS free ones, the least recently used slot
+    that holds pages gives them back (`release`), one a give: after a burst the front's memory
+    returns to what its load uses, not every slot's largest image."""
 
-    def __init__(self, count: int) -> None:
-        self.count = count
+    def __init__(self, count: int, release: Callable[[int], None]) -> None:
+        self.count, self.release = count, release
         self.free = list(range(count))
+        self.dirty: set[int] = set()  # slots whose pages were written since they were last released
         self.waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    def _pop(self, n: int) -> list[int]:
+        taken = [self.free.pop() for _ in range(n)]
+        self.dirty.update(taken)
+        return taken
 
     async def take(self, n: int) -> list[int]:
         if n > self.count:
             raise HttpError(429, f"overloaded: a request of {n} images is more than a front holds at once "
                                  f"({self.count}): send fewer a request")
         if not self.waiting and len(self.free) >= n:
-            return [self.free.pop() for _ in range(n)]
+            return self._pop(n)
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((n, future))
         try:
@@ -190,7 +200,11 @@ class _Slots:
         while self.waiting and (self.waiting[0][1].done() or len(self.free) >= self.waiting[0][0]):
             n, future = self.waiting.popleft()
             if not future.done():
-                future.set_result([self.free.pop() for _ in range(n)])
+                future.set_result(self._pop(n))
+        cold = next((s for s in self.free[:len(self.free) - WARM_SLOTS] if s in self.dirty), None)
+        if cold is not None:
+            self.dirty.discard(cold)
+            self.release(cold)
 
 
 class Front:
@@ -201,7 +215,7 @@ class Front:
         self.limits, self.layout = settings.limits, settings.layout
         self.status = "starting"  # the engine's, pushed to every front as it changes
         self.active = 0  # work requests held, arrival to response sent
-        self.slots = _Slots(settings.max_requests)
+        self.slots = _Slots(settings.max_requests, functools.partial(self.layout.release, memory))
         self.images: dict[int, _Image] = {}
         self.metrics_replies: dict[int, asyncio.Future] = {}
         self.ids = itertools.count()

@@ -90,6 +90,10 @@ class SlotLayout:
         start = slot * self.slot_bytes
         return memory[start:start + n].reshape(shape)
 
+    def release(self, memory: np.ndarray, slot: int) -> None:
+        """`slot`'s pages back to the kernel: a free slot otherwise keeps the largest image it held."""
+        release(memory, slot * self.slot_bytes, (slot + 1) * self.slot_bytes)
+
     def answer(self, memory: np.ndarray, slot: int) -> np.ndarray:
         start = slot * self.slot_bytes + self.canvas_bytes
         return memory[start:start + self.answer_bytes]
@@ -112,6 +116,15 @@ def mapped(fd: int, size: int) -> np.ndarray:
     stays while any view of it lives (a canvas the batcher still reads), whatever happens to
     the process at the other end."""
     return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+
+
+def release(memory: np.ndarray, start: int, stop: int) -> None:
+    """Give the pages wholly inside bytes [start, stop) of a `mapped` memfd back to the kernel (for
+    every process mapping it: they read as zeros after)."""
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, stop // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        buffer = memory.base  # the mmap, or (NumPy >= 2) a memoryview of it
+        (buffer.obj if isinstance(buffer, memoryview) else buffer).madvise(mmap.MADV_REMOVE, first, last - first)
 
 
 def write_arrays(area: np.ndarray, arrays: dict[str, np.ndarray], encode: Any = None) -> list[list]:
