@@ -247,9 +247,20 @@ class Load:
         return self.split("poisson", [(rate / self.procs, seconds)] * self.procs)[0]
 
 
+def server_options(args: argparse.Namespace) -> list[str]:
+    """The `glmvit-cupy serve` options a benchmark passes on."""
+    fronts = ["--http-workers", str(args.http_workers)] if args.http_workers else []
+    return ["--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue), *fronts]
+
+
+def benchmark_server_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    ap.add_argument("--http-workers", type=int, default=0, help="the server's --http-workers [default: its own]")
+
+
 def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
     """The server's CPU over `wall` seconds: its three busiest threads' shares of a core (`main` runs the
-    event loop), its process's and its tree's cores."""
+    engine's event loop), its process's and its tree's (the HTTP fronts') cores."""
     threads = {name: after[name] - before.get(name, 0.0) for name in after if name != "tree"}
     top = sorted(threads, key=threads.__getitem__, reverse=True)[:3]
     return dict(threads={name: round(threads[name] / wall, 3) for name in top},
@@ -258,35 +269,48 @@ def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dic
 
 
 STAGES = ("queue", "decode", "inference", "request")
+BATCH = ("images", "tokens")  # the glmvit_batch_* histograms: a forward batch's images and merged tokens
 
 
 def _stage_seconds(server: ServerProcess) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each of the server's duration histograms, the engine's busy seconds."""
+    """(sum, count) of each of the server's duration histograms and batch histograms, the engine's busy
+    seconds."""
     m = server.metrics()
-    out = {stage: (sum(v for (name, _), v in m.items() if name == f"glmvit_{stage}_duration_seconds_sum"),
-                   sum(v for (name, _), v in m.items() if name == f"glmvit_{stage}_duration_seconds_count"))
-           for stage in STAGES}
+
+    def histogram(name: str) -> tuple[float, float]:
+        return (sum(v for (n, _), v in m.items() if n == f"{name}_sum"),
+                sum(v for (n, _), v in m.items() if n == f"{name}_count"))
+    out = {stage: histogram(f"glmvit_{stage}_duration_seconds") for stage in STAGES}
+    out |= {f"batch_{what}": histogram(f"glmvit_batch_{what}") for what in BATCH}
     out["engine_busy"] = (sum(v for (name, _), v in m.items() if name == "glmvit_engine_busy_seconds_total"), 1.0)
     return out
 
 
 def _stage_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean ms of each stage between two readings (engine_busy: seconds in total)."""
+    """Mean ms of each stage between two readings (engine_busy: seconds in total), and a forward batch's
+    mean images and merged tokens (their budget is /info's p_max patches over the merge unit)."""
     out = {}
     for stage in STAGES:
         n = after[stage][1] - before[stage][1]
         out[stage] = round(1000 * (after[stage][0] - before[stage][0]) / n, 2) if n else None
     out["engine_busy_s"] = round(after["engine_busy"][0] - before["engine_busy"][0], 2)
+    for what in BATCH:
+        key = f"batch_{what}"
+        n = after[key][1] - before[key][1]
+        out[f"batch_{what}_mean"] = round((after[key][0] - before[key][0]) / n, 1) if n else None
     return out
 
 
 def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lone: bytes) -> dict:
     url = server.url
     # More connections than the server holds requests, so that overload meets its 429s, not a pool's queue
-    held = httpx.get(f"{url}/info").json()["limits"]["max_requests"]
+    info = httpx.get(f"{url}/info").json()
+    held = info["limits"]["max_requests"]
     load = Load(url, files, args.clients, held + 4 * args.concurrency, args.seed)
     try:
-        record: dict = {"clients": args.clients}
+        geo = info["geometry"]
+        record: dict = {"clients": args.clients,
+                        "batch_tokens_max": info["limits"]["p_max"] // geo["spatial_merge_size"] ** 2}
         record["lone"] = latency(load.one("lone", (lone, args.lone)))
         print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
 
@@ -372,7 +396,8 @@ def markdown(r: dict) -> str:
              f"{', '.join(f'{t} {c:.2f}' for t, c in cpu['threads'].items())}; {cpu['process_cores']:.2f}; "
              f"{cpu['tree_cores']:.2f} | |",
              f"| meanwhile the client processes, cores; the server's mean ms of queue, decode, inference, whole "
-             f"request; the engine busy, s | {sat['client_cores']:.2f}; {sat['stage_mean_ms']} | |",
+             f"request; the engine busy, s; a batch's mean images and merged tokens (budget {r['batch_tokens_max']}) | "
+             f"{sat['client_cores']:.2f}; {sat['stage_mean_ms']} | |",
              f"| lone {LONE_SIDE}x{LONE_SIDE}: p50 / p99 ms (its forward {r['lone_forward_ms']:.2f} ms) | "
              f"{lone['p50_ms']} / {lone['p99_ms']} | p50 <= forward + {TARGETS['lone_p50_over_forward_ms']:.0f} ms |",
              *[f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "
@@ -406,11 +431,11 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
         import cupy
         cupy.get_default_memory_pool().free_all_blocks()
 
-    with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
-                       ready_s=600) as server:
+    with ServerProcess(*server_options(args), ready_s=600) as server:
         record = drive(args, server, files, lone)
         status = server.stop(timeout_s=REQUEST_TIMEOUT_S)
-    record.update(backend=args.backend, images=len(files), max_queue=args.max_queue, forward_only=fwd,
+    record.update(backend=args.backend, images=len(files), max_queue=args.max_queue,
+                  http_workers=args.http_workers or "the server's default", forward_only=fwd,
                   lone_forward_ms=round(lone_forward, 3), server_exit=status,
                   saturation_over_forward=round(record["saturation"]["images_per_s"] / fwd["images_per_s"], 3),
                   env=environment(args.backend), benchmark_wall_s=round(time.perf_counter() - t0, 1))
@@ -420,7 +445,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
 def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="clients of the closed loops (saturation, cache)")
     ap.add_argument("--clients", type=int, default=4, help="client processes sharing the load [default: 4]")
-    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    benchmark_server_options(ap)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75],
                     help="Poisson rates as shares of saturation [default: 0.25,0.5,0.75]")
     ap.add_argument("--rate-s", type=float, default=30.0, help="seconds at each Poisson rate")
