@@ -9,7 +9,8 @@ an answer area (the largest answer of one image: both outputs, in float32, as ba
 memfd has no name in /dev/shm, so no death, SIGKILL included, leaves a segment behind, and its
 pages are allocated when first written: a slot costs its high-water mark, not its size.
 
-Separate from both processes' modules because it is their contract: neither imports the other's.
+Separate from both processes' modules because it is their contract (the engine imports the front only
+to start it and to share its settings' types).
 """
 
 from __future__ import annotations
