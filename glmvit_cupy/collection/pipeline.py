@@ -32,6 +32,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import struct
 import threading
 import time
@@ -128,10 +129,11 @@ def _start(item: Any, config: Config) -> Iterator[Any]:
 
 # Pixels cross from a decode worker as raw bytes after the rest (a pickled array costs two more
 # copies of it: a third of a lone request's time), in messages of their own: an 8-byte length,
-# then the bytes, which the parent reads with os.readv straight into their array, without the
-# GIL. Connection.recv_bytes_into reads a message into a BytesIO in chunks and copies it out,
-# holding the GIL for both copies: ~500 MiB/s against ~2,500 MiB/s on a 2-core CPU, where a
-# video collection moves GBs of frames through the parent (benchmarks/NOTES.md, issue 26).
+# then the bytes, which the parent reads straight into their array in one recv(MSG_WAITALL),
+# without the GIL until the whole message is in. Connection.recv_bytes_into reads a message into
+# a BytesIO in chunks and copies it out, holding the GIL for both copies; a read a socket buffer
+# at a time takes the GIL back after each, behind whatever Python the main thread runs. A video
+# collection moves GBs of frames through the parent (benchmarks/NOTES.md, issue 26).
 _PIXELS_HEAD = struct.Struct("!Q")
 
 
@@ -148,12 +150,16 @@ def _send_pixels(conn: Any, pixels: np.ndarray | bytes) -> None:
 
 
 def _read_into(fd: int, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            raise EOFError("the decode worker's connection closed inside a message")
-        got += n
+    sock = socket.socket(fileno=fd)  # borrowed: detached below, so the connection keeps its fd
+    try:
+        got = 0
+        while got < len(view):  # MSG_WAITALL returns short only at a signal or the end
+            n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise EOFError("the decode worker's connection closed inside a message")
+            got += n
+    finally:
+        sock.detach()
 
 
 def _recv_pixels(conn: Any, out: np.ndarray) -> int:
