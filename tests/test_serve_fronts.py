@@ -185,7 +185,8 @@ def test_nothing_is_left_in_dev_shm_or_the_temporary_directory(tiny_ckpt, tmp_pa
 
 
 def test_the_fronts_die_with_the_engine(tiny_ckpt, tmp_path, monkeypatch):
-    """... however it dies: SIGKILL leaves its metrics directory behind (in TMPDIR), nothing else."""
+    """... however it dies. SIGKILL leaves its metrics directory behind (in TMPDIR), which the next
+    server started there removes (its pid is gone); a live server's is kept."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", *TWO_FRONTS)
     pids = server.front_pids()
@@ -196,3 +197,11 @@ def test_the_fronts_die_with_the_engine(tiny_ckpt, tmp_path, monkeypatch):
         assert time.monotonic() < deadline, "a front outlived the engine"
         time.sleep(0.05)
     server.stop()
+    (left,) = tmp_path.iterdir()
+    assert left.name == f"glmvit-serve-metrics-{server.proc.pid}-" + left.name.rsplit("-", 1)[1]
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy") as live:
+        (own,) = tmp_path.iterdir()
+        assert own.name.startswith(f"glmvit-serve-metrics-{live.proc.pid}-")
+        with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy"):
+            assert len(list(tmp_path.iterdir())) == 2 and own.exists()  # the live server's kept
+    assert list(tmp_path.iterdir()) == []

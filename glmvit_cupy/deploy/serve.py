@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_SIDE = 448  # pixels of the warm-up photograph's sides, unless the budget (--max-pixels) is smaller
 WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long
+METRICS_PREFIX = "glmvit-serve-metrics-"  # + the server's pid: the fronts' metrics directory in the temp dir
 FRONT_DEATHS, FRONT_DEATHS_S = 5, 60.0  # fronts dying this often fail the server: a restart loop helps nobody
 # The server process's GIL switch interval (Python's default: 5 ms). A thread that releases the GIL
 # for a moment (each CUDA launch and cuBLAS call of the engine's dispatcher, a socket read) waits
@@ -475,13 +476,23 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _remove_dead_servers_metrics() -> None:
+    """The metrics directories of servers that died without removing them (SIGKILL, the OOM killer):
+    each is named for its server's pid, and one whose process is gone is no one's."""
+    for path in Path(tempfile.gettempdir()).glob(f"{METRICS_PREFIX}*-*"):
+        pid = path.name[len(METRICS_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run(vits: Sequence[Any], *, model: str, directory: Path, limits: Limits, sock: socket.socket,
         http_workers: int) -> int:
     """Serve until drained (0) or until the engine fails (1); the fronts log a line a request on stderr.
     The fronts' request counts live in a directory of this process's (prometheus-client's multiprocess
     files), removed at exit."""
     lines = log_through_thread(log)
-    metrics_dir = tempfile.mkdtemp(prefix="glmvit-serve-metrics-")
+    _remove_dead_servers_metrics()
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
     try:
         return _serve(vits, model, directory, limits, sock, http_workers, metrics_dir)
     finally:
