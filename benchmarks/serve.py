@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import multiprocessing
 import os
@@ -120,15 +121,18 @@ def forward_ms(vit: GlmVit, data: bytes) -> float:
     return 1000 * float(np.median(times))
 
 
-async def post(client: httpx.AsyncClient, url: str, body: bytes) -> dict:
-    """One request: its status (or the exception that lost it), latency and timing headers."""
+async def post(client: httpx.AsyncClient, url: str, body: bytes, gate: asyncio.Semaphore | None = None) -> dict:
+    """One request: its status (or the exception that lost it), latency and timing headers. With `gate`
+    (open loops), it waits there for one of the client's connections, and its latency counts the wait."""
     t0 = time.perf_counter()
-    try:
-        r = await client.post(f"{url}/v1/embeddings", content=body, headers={"content-type": "application/json"})
-    except httpx.HTTPError as exc:
-        return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0)
-    return dict(status=r.status_code, latency_s=time.perf_counter() - t0, cache=r.headers.get("x-cache"),
-                inference_ms=float(r.headers.get("x-inference-time", "nan")))
+    async with gate or contextlib.nullcontext():
+        sent = time.perf_counter()
+        try:
+            r = await client.post(f"{url}/v1/embeddings", content=body, headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0, wait_s=sent - t0)
+    return dict(status=r.status_code, latency_s=time.perf_counter() - t0, wait_s=sent - t0,
+                cache=r.headers.get("x-cache"), inference_ms=float(r.headers.get("x-inference-time", "nan")))
 
 
 def latency(results: list[dict]) -> dict:
@@ -154,16 +158,20 @@ async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], 
 
 
 async def poisson(client: httpx.AsyncClient, url: str, sources: list[Bodies], rate: float, seconds: float,
-                  rng: np.random.Generator) -> list[dict]:
+                  rng: np.random.Generator, connections: int) -> list[dict]:
     """Open loop: arrivals at `rate` a second (exponential gaps) for `seconds`, each a random image's next
-    body; waits for every answer."""
+    body; waits for every answer. Arrivals beyond the client's connections wait in a semaphore, not in
+    httpx's pool, whose every hand-over scans all its waiting requests: under overload that scan, not
+    the server, set the pace (2026-12-02 H200 run, NOTES)."""
+    gate = asyncio.Semaphore(connections)
     tasks, t0, at = [], time.perf_counter(), 0.0
     while at < seconds:
         now = time.perf_counter() - t0
         if at > now:
             await asyncio.sleep(at - now)
             continue
-        tasks.append(asyncio.ensure_future(post(client, url, sources[rng.integers(len(sources))].next())))
+        tasks.append(asyncio.ensure_future(post(client, url, sources[rng.integers(len(sources))].next(),
+                                                  gate)))
         at += rng.exponential(1 / rate)
     return list(await asyncio.gather(*tasks))
 
@@ -197,7 +205,7 @@ def _client_step(step: str, args: tuple) -> list[dict]:
                 body, requests, clients = args
                 return await closed_loop(client, url, [body] * requests, clients)
             rate, seconds = args
-            return await poisson(client, url, sources, rate, seconds, _client["rng"])
+            return await poisson(client, url, sources, rate, seconds, _client["rng"], _client["connections"])
     return asyncio.run(go())
 
 
@@ -336,7 +344,9 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         record["overload"] = dict(latency(results), rate=round(2 * sat, 2), seconds=args.duration, health_after=health,
                                   lost_or_other=sum(r["status"] not in (200, 429) for r in results),
                                   refused_p99_ms=round(1000 * float(np.percentile(refused, 99)), 2) if refused
-                                  else None)
+                                  else None,
+                                  client_wait_p99_ms=round(1000 * float(np.percentile([r["wait_s"] for r in results],
+                                                                                      99)), 2))
         print(f"overload: {record['overload']}", flush=True)
 
         before = {k: server.metric("glmvit_cache_requests_total", result=k) for k in ("hit", "miss", "shared")}
@@ -404,8 +414,9 @@ def markdown(r: dict) -> str:
                f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
                                                       if p is half else "") + " |" for p in r["poisson"]],
              f"| overload 2x ({over['rate']:.1f}/s) for {over['seconds']:.0f} s: statuses; lost or other; "
-             f"/health after; 429s' p99 ms | {over['statuses']}; {over['lost_or_other']}; {over['health_after']}; "
-             f"{over['refused_p99_ms']} | only 200/429, none lost, 200; 429 at once |",
+             f"/health after; 429s' p99 ms; p99 ms a request waited for a client connection | {over['statuses']}; "
+             f"{over['lost_or_other']}; {over['health_after']}; {over['refused_p99_ms']}; {over['client_wait_p99_ms']} | "
+             "only 200/429, none lost, 200; 429 at once |",
              f"| cache: one image x {cache['requests']}: requests/s, p50 ms, hits (max x-inference-time ms); "
              f"server's counts | {cache['requests_per_s']:.1f}, {cache['p50_ms']}, {cache['hits']} "
              f"({cache['hit_inference_ms_max']}); {cache['metrics']} | hits at 0 ms |",
