@@ -158,5 +158,7 @@ def long_clip(directory: Path, minutes: float, seed: int = 0) -> Path:
     if not path.is_file():
         directory.mkdir(parents=True, exist_ok=True)
         colour, _ = available_sources()
-        write_clip(path, colour[seed % len(colour)], *LONG_SIZE, LONG_RATE, frames, "h264-fast", 1, seed)
+        part = path.with_name(f".{path.stem}-{os.getpid()}.mp4")  # renamed once whole: a reader never takes half a clip
+        write_clip(part, colour[seed % len(colour)], *LONG_SIZE, LONG_RATE, frames, "h264-fast", 1, seed)
+        os.replace(part, path)
     return path

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import multiprocessing
 import os
@@ -120,15 +121,18 @@ def forward_ms(vit: GlmVit, data: bytes) -> float:
     return 1000 * float(np.median(times))
 
 
-async def post(client: httpx.AsyncClient, url: str, body: bytes) -> dict:
-    """One request: its status (or the exception that lost it), latency and timing headers."""
+async def post(client: httpx.AsyncClient, url: str, body: bytes, gate: asyncio.Semaphore | None = None) -> dict:
+    """One request: its status (or the exception that lost it), latency and timing headers. With `gate`
+    (open loops), it waits there for one of the client's connections, and its latency counts the wait."""
     t0 = time.perf_counter()
-    try:
-        r = await client.post(f"{url}/v1/embeddings", content=body, headers={"content-type": "application/json"})
-    except httpx.HTTPError as exc:
-        return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0)
-    return dict(status=r.status_code, latency_s=time.perf_counter() - t0, cache=r.headers.get("x-cache"),
-                inference_ms=float(r.headers.get("x-inference-time", "nan")))
+    async with gate or contextlib.nullcontext():
+        sent = time.perf_counter()
+        try:
+            r = await client.post(f"{url}/v1/embeddings", content=body, headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0, wait_s=sent - t0)
+    return dict(status=r.status_code, latency_s=time.perf_counter() - t0, wait_s=sent - t0,
+                cache=r.headers.get("x-cache"), inference_ms=float(r.headers.get("x-inference-time", "nan")))
 
 
 def latency(results: list[dict]) -> dict:
@@ -154,16 +158,20 @@ async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], 
 
 
 async def poisson(client: httpx.AsyncClient, url: str, sources: list[Bodies], rate: float, seconds: float,
-                  rng: np.random.Generator) -> list[dict]:
+                  rng: np.random.Generator, connections: int) -> list[dict]:
     """Open loop: arrivals at `rate` a second (exponential gaps) for `seconds`, each a random image's next
-    body; waits for every answer."""
+    body; waits for every answer. Arrivals beyond the client's connections wait in a semaphore, not in
+    httpx's pool, whose every hand-over scans all its waiting requests: under overload that scan, not
+    the server, set the pace (2026-12-02 H200 run, NOTES)."""
+    gate = asyncio.Semaphore(connections)
     tasks, t0, at = [], time.perf_counter(), 0.0
     while at < seconds:
         now = time.perf_counter() - t0
         if at > now:
             await asyncio.sleep(at - now)
             continue
-        tasks.append(asyncio.ensure_future(post(client, url, sources[rng.integers(len(sources))].next())))
+        tasks.append(asyncio.ensure_future(post(client, url, sources[rng.integers(len(sources))].next(),
+                                                  gate)))
         at += rng.exponential(1 / rate)
     return list(await asyncio.gather(*tasks))
 
@@ -197,7 +205,7 @@ def _client_step(step: str, args: tuple) -> list[dict]:
                 body, requests, clients = args
                 return await closed_loop(client, url, [body] * requests, clients)
             rate, seconds = args
-            return await poisson(client, url, sources, rate, seconds, _client["rng"])
+            return await poisson(client, url, sources, rate, seconds, _client["rng"], _client["connections"])
     return asyncio.run(go())
 
 
@@ -247,9 +255,20 @@ class Load:
         return self.split("poisson", [(rate / self.procs, seconds)] * self.procs)[0]
 
 
+def server_options(args: argparse.Namespace) -> list[str]:
+    """The `glmvit-cupy serve` options a benchmark passes on."""
+    fronts = ["--http-workers", str(args.http_workers)] if args.http_workers else []
+    return ["--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue), *fronts]
+
+
+def benchmark_server_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    ap.add_argument("--http-workers", type=int, default=0, help="the server's --http-workers [default: its own]")
+
+
 def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
     """The server's CPU over `wall` seconds: its three busiest threads' shares of a core (`main` runs the
-    event loop), its process's and its tree's cores."""
+    engine's event loop), its process's and its tree's (the HTTP fronts') cores."""
     threads = {name: after[name] - before.get(name, 0.0) for name in after if name != "tree"}
     top = sorted(threads, key=threads.__getitem__, reverse=True)[:3]
     return dict(threads={name: round(threads[name] / wall, 3) for name in top},
@@ -258,35 +277,48 @@ def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dic
 
 
 STAGES = ("queue", "decode", "inference", "request")
+BATCH = ("images", "tokens")  # the glmvit_batch_* histograms: a forward batch's images and merged tokens
 
 
 def _stage_seconds(server: ServerProcess) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each of the server's duration histograms, the engine's busy seconds."""
+    """(sum, count) of each of the server's duration histograms and batch histograms, the engine's busy
+    seconds."""
     m = server.metrics()
-    out = {stage: (sum(v for (name, _), v in m.items() if name == f"glmvit_{stage}_duration_seconds_sum"),
-                   sum(v for (name, _), v in m.items() if name == f"glmvit_{stage}_duration_seconds_count"))
-           for stage in STAGES}
+
+    def histogram(name: str) -> tuple[float, float]:
+        return (sum(v for (n, _), v in m.items() if n == f"{name}_sum"),
+                sum(v for (n, _), v in m.items() if n == f"{name}_count"))
+    out = {stage: histogram(f"glmvit_{stage}_duration_seconds") for stage in STAGES}
+    out |= {f"batch_{what}": histogram(f"glmvit_batch_{what}") for what in BATCH}
     out["engine_busy"] = (sum(v for (name, _), v in m.items() if name == "glmvit_engine_busy_seconds_total"), 1.0)
     return out
 
 
 def _stage_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean ms of each stage between two readings (engine_busy: seconds in total)."""
+    """Mean ms of each stage between two readings (engine_busy: seconds in total), and a forward batch's
+    mean images and merged tokens (their budget is /info's p_max patches over the merge unit)."""
     out = {}
     for stage in STAGES:
         n = after[stage][1] - before[stage][1]
         out[stage] = round(1000 * (after[stage][0] - before[stage][0]) / n, 2) if n else None
     out["engine_busy_s"] = round(after["engine_busy"][0] - before["engine_busy"][0], 2)
+    for what in BATCH:
+        key = f"batch_{what}"
+        n = after[key][1] - before[key][1]
+        out[f"batch_{what}_mean"] = round((after[key][0] - before[key][0]) / n, 1) if n else None
     return out
 
 
 def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lone: bytes) -> dict:
     url = server.url
     # More connections than the server holds requests, so that overload meets its 429s, not a pool's queue
-    held = httpx.get(f"{url}/info").json()["limits"]["max_requests"]
+    info = httpx.get(f"{url}/info").json()
+    held = info["limits"]["max_requests"]
     load = Load(url, files, args.clients, held + 4 * args.concurrency, args.seed)
     try:
-        record: dict = {"clients": args.clients}
+        geo = info["geometry"]
+        record: dict = {"clients": args.clients,
+                        "batch_tokens_max": info["limits"]["p_max"] // geo["spatial_merge_size"] ** 2}
         record["lone"] = latency(load.one("lone", (lone, args.lone)))
         print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
 
@@ -312,7 +344,9 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         record["overload"] = dict(latency(results), rate=round(2 * sat, 2), seconds=args.duration, health_after=health,
                                   lost_or_other=sum(r["status"] not in (200, 429) for r in results),
                                   refused_p99_ms=round(1000 * float(np.percentile(refused, 99)), 2) if refused
-                                  else None)
+                                  else None,
+                                  client_wait_p99_ms=round(1000 * float(np.percentile([r["wait_s"] for r in results],
+                                                                                      99)), 2))
         print(f"overload: {record['overload']}", flush=True)
 
         before = {k: server.metric("glmvit_cache_requests_total", result=k) for k in ("hit", "miss", "shared")}
@@ -372,15 +406,17 @@ def markdown(r: dict) -> str:
              f"{', '.join(f'{t} {c:.2f}' for t, c in cpu['threads'].items())}; {cpu['process_cores']:.2f}; "
              f"{cpu['tree_cores']:.2f} | |",
              f"| meanwhile the client processes, cores; the server's mean ms of queue, decode, inference, whole "
-             f"request; the engine busy, s | {sat['client_cores']:.2f}; {sat['stage_mean_ms']} | |",
+             f"request; the engine busy, s; a batch's mean images and merged tokens (budget {r['batch_tokens_max']}) | "
+             f"{sat['client_cores']:.2f}; {sat['stage_mean_ms']} | |",
              f"| lone {LONE_SIDE}x{LONE_SIDE}: p50 / p99 ms (its forward {r['lone_forward_ms']:.2f} ms) | "
              f"{lone['p50_ms']} / {lone['p99_ms']} | p50 <= forward + {TARGETS['lone_p50_over_forward_ms']:.0f} ms |",
              *[f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "
                f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
                                                       if p is half else "") + " |" for p in r["poisson"]],
              f"| overload 2x ({over['rate']:.1f}/s) for {over['seconds']:.0f} s: statuses; lost or other; "
-             f"/health after; 429s' p99 ms | {over['statuses']}; {over['lost_or_other']}; {over['health_after']}; "
-             f"{over['refused_p99_ms']} | only 200/429, none lost, 200; 429 at once |",
+             f"/health after; 429s' p99 ms; p99 ms a request waited for a client connection | {over['statuses']}; "
+             f"{over['lost_or_other']}; {over['health_after']}; {over['refused_p99_ms']}; {over['client_wait_p99_ms']} | "
+             "only 200/429, none lost, 200; 429 at once |",
              f"| cache: one image x {cache['requests']}: requests/s, p50 ms, hits (max x-inference-time ms); "
              f"server's counts | {cache['requests_per_s']:.1f}, {cache['p50_ms']}, {cache['hits']} "
              f"({cache['hit_inference_ms_max']}); {cache['metrics']} | hits at 0 ms |",
@@ -406,11 +442,11 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
         import cupy
         cupy.get_default_memory_pool().free_all_blocks()
 
-    with ServerProcess("--model", str(args.model), "--backend", args.backend, "--max-queue", str(args.max_queue),
-                       ready_s=600) as server:
+    with ServerProcess(*server_options(args), ready_s=600) as server:
         record = drive(args, server, files, lone)
         status = server.stop(timeout_s=REQUEST_TIMEOUT_S)
-    record.update(backend=args.backend, images=len(files), max_queue=args.max_queue, forward_only=fwd,
+    record.update(backend=args.backend, images=len(files), max_queue=args.max_queue,
+                  http_workers=args.http_workers or "the server's default", forward_only=fwd,
                   lone_forward_ms=round(lone_forward, 3), server_exit=status,
                   saturation_over_forward=round(record["saturation"]["images_per_s"] / fwd["images_per_s"], 3),
                   env=environment(args.backend), benchmark_wall_s=round(time.perf_counter() - t0, 1))
@@ -420,7 +456,7 @@ def run(args: argparse.Namespace, collection: Path, out: Path) -> None:
 def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="clients of the closed loops (saturation, cache)")
     ap.add_argument("--clients", type=int, default=4, help="client processes sharing the load [default: 4]")
-    ap.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
+    benchmark_server_options(ap)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75],
                     help="Poisson rates as shares of saturation [default: 0.25,0.5,0.75]")
     ap.add_argument("--rate-s", type=float, default=30.0, help="seconds at each Poisson rate")

@@ -28,14 +28,16 @@ and transformers; and the host memory of one long 1080p clip. Issue 26, item 5, 
    of the tree (sampled sum), as e2e.run_cli reads them. The clip's own cost is the main
    process's peak over the 10 s clip's run (what the CUDA libraries, the tower and the pinned
    slots cost, the same for both, is not counted; what the long clip adds is: its sampled
-   frames, held whole until its last group is staged, and its rows, held whole until the
-   shard writer takes them), plus the worker's peak; the target is held to that. The rows'
-   bytes are reported beside it (the shard's size: 234,000 bf16 rows of 4,096 for the
-   10-minute clip, ~1.8 GiB).
+   frames received and not yet staged, at most the frame budget's (clips.FRAME_BYTES_AHEAD)
+   and a few batches', and the rows of the batches not yet in the shard), plus the worker's
+   peak; the target is held to that. The rows' bytes are reported beside it (the shard's
+   size: 234,000 bf16 rows of 4,096 for the 10-minute clip, ~1.8 GiB, written a batch at a
+   time).
 6. A Markdown table on stdout; a JSON record (and the table) under benchmarks/results/.
 
     python benchmarks/video.py --model /tmp/glmvit-real                     # the H200 run, ~6 min
     python benchmarks/video.py --model /tmp/glmvit-real --clips 4 --long-minutes 5 --hf-clips 2   # shorter
+    setsid python benchmarks/video.py --model /tmp/glmvit-real --prepare-only &          # the clips, ahead
     python benchmarks/video.py --model /tmp/glmvit-tiny --backend numpy --clips 2 --max-seconds 12 \\
         --long-minutes 0.5 --hf-clips 1                                      # CPU smoke run
 
@@ -218,6 +220,8 @@ def run(args: argparse.Namespace) -> None:
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         long_path, short_path = long_path.result(), short_path.result()
     print(f"long clip {long_path} ready at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    if args.prepare_only:
+        return
     files = [str(collection / e["name"]) for e in manifest["clips"]]
     shortest = min(manifest["clips"], key=lambda e: e["frames"] * e["width"] * e["height"])["name"]
     warmup = str(collection / shortest)
@@ -261,6 +265,9 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=int, default=120, help="the longest a clip may be (at least 10)")
     ap.add_argument("--long-minutes", type=float, default=10.0, help="length of the memory run's 1080p clip")
     ap.add_argument("--hf-clips", type=int, default=3, help="clips transformers runs on, spread over the collection")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="make the clips (step 1) and stop: a later run reuses them, so a device session can make "
+                         "them in the background while its GPU does other work")
     try:
         run(ap.parse_args())
     except GlmVitError as exc:

@@ -9,8 +9,8 @@ one core per clip as a decode worker has it, every host stage a video passes thr
   (`decode_auto`: FFmpeg's frame and slice threads on every usable core, as a worker runs it)
 - `rgb`: the sampled frames converted to RGB (swscale), `resize`: scaled to the content size
   (video.resize_uint8; 0 when the video is within its token budget), `canvas`: padded onto it
-- `handoff`: each frame through a pipe into the main process's array (pipeline's
-  send_bytes / recv_bytes_into), `patchify`: the NumPy stager's float32 pixel_values of them
+- `handoff`: each frame through a pipe into the main process's array (the pipeline's pixel
+  messages), `patchify`: the NumPy stager's float32 pixel_values of them
   (the GPU stager does this on the device; its host side is a copy into the pinned slot,
   `stage_copy`)
 
@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO)]
 
+from glmvit_cupy.collection.pipeline import _recv_pixels, _send_pixels  # noqa: E402
 from glmvit_cupy.processor.video import VIDEO_EXTENSIONS, VideoReader, _scaled, on_canvas, patchify_frames  # noqa: E402
 
 
@@ -92,13 +93,13 @@ def stages(path: Path) -> dict:
 
     def receive() -> None:
         for row in received.reshape(len(received), -1):
-            ours.recv_bytes_into(row)
+            _recv_pixels(ours, row)
 
     t0 = time.perf_counter()
     thread = threading.Thread(target=receive)
     thread.start()
     for frame in canvases:
-        theirs.send_bytes(memoryview(frame).cast("B"))
+        _send_pixels(theirs, frame)
     thread.join()
     times["handoff"] = time.perf_counter() - t0
     pinned = np.empty(received.size, dtype=np.uint8)

@@ -49,8 +49,11 @@ glmvit_cupy/
     devices         every GPU of a host: engine processes behind one pipeline (encode --devices)
     ray             many hosts: Ray Data decode tasks, engine actors and a shard sink (the optional
                     [ray] extra; imported by nothing here)
-    serve           the HTTP embedding server, `glmvit-cupy serve` (the optional [serve] extra;
-                    imported by nothing here)
+    handoff         the server's engine and HTTP front processes' contract: messages, memfd slots
+    front           an HTTP front process of the server: routes, a request's Python, its images' decode
+                    (the optional [serve] extra; imported by nothing here but serve)
+    serve           the HTTP embedding server, `glmvit-cupy serve`: its engine process, which starts
+                    the fronts (the optional [serve] extra; imported by nothing here)
   cli               `glmvit-cupy` (click): encode, serve, info, bench, extract, make-checkpoint (the
                     repository's top-level cli.py runs it from a checkout)
 """

@@ -16,7 +16,9 @@ The dispatcher sends the ready requests as one batch when an engine slot is free
 the batch is full, the oldest has waited max_wait_ms, or no other request is still decoding
 (a lone request never waits). While both slots are busy, requests gather into the next batch,
 so batches grow with the load. Requests of one batch share its output and dtype (a batch is
-cast as a whole on the device); others wait for the next.
+cast as a whole on the device); others wait for the next. `submit_canvas` takes an image
+decoded elsewhere (the server's HTTP fronts decode in their own processes): it enters ready at
+once, and the decode pool is started only by the first `submit`.
 
 Bounded: at most max_queue requests wait (decoding or ready); the next is refused at once
 (`Overloaded`). A request not answered within timeout_s fails with `RequestTimeout`; one
@@ -98,8 +100,8 @@ class Batcher:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
                 raise GlmVitError(f"batcher: {name} {value!r} must be a number of at least {low} (workers: the "
                                   "decode processes, never the caller's thread)")
-        self.vit, self.on_batch = vit, on_batch
-        self.decoder = Decoder(workers, vit.processor)
+        self.vit, self.on_batch, self.workers = vit, on_batch, workers
+        self.decoder: Decoder | None = None  # started by the first submit (submit_canvas needs none)
         self.stager = make_stager(vit, vit.processor)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -120,25 +122,41 @@ class Batcher:
     def submit(self, image: Any, *, output: str = DEFAULT_OUTPUT, dtype: str = DEFAULT_DTYPE) -> Future:
         """A Future of this image's GlmVitOutput (with its Timing). Raises Overloaded at once
         when max_queue requests wait, GlmVitError once closed or for a bad option or type."""
-        outputs = check_output_options(output, dtype)
         item = image_input(image, "request")
-        future: Future = Future()
+        request = self._enter(item, output, dtype, None)
+        with self._lock:
+            if self.decoder is None:
+                self.decoder = Decoder(self.workers, self.vit.processor)
+        request.decode = self.decoder.submit(item)
+        request.decode.add_done_callback(lambda f: self._decoded(request, f))
+        return request.future
+
+    def submit_canvas(self, canvas: np.ndarray, name: str, decode_s: float, *, output: str = DEFAULT_OUTPUT,
+                      dtype: str = DEFAULT_DTYPE) -> Future:
+        """As submit, for an image already decoded and resized (a uint8 canvas [H, W, 3] as `prepare`
+        makes it; `name` names it in messages). The canvas is read, not copied, until the request
+        is batched or gone: keep it unchanged until the future is done."""
+        return self._enter(name, output, dtype, Prepared(canvas, None, decode_s=decode_s)).future
+
+    def _enter(self, item: Any, output: str, dtype: str, prep: Prepared | None) -> _Request:
+        """A new request in the queue: decoding, or (`prep`) ready at once."""
+        outputs = check_output_options(output, dtype)
+        request = _Request(Future(), item, outputs, dtype, time.perf_counter() + self.timeout_s)
         with self._lock:
             if self._closed:
                 raise GlmVitError("the batcher is closed: it takes no more requests")
             if len(self._order) >= self.max_queue:
                 raise Overloaded(f"{len(self._order)} requests are already waiting (max_queue {self.max_queue}): "
                                  "retry later")
-            request = _Request(future, item, outputs, dtype, time.perf_counter() + self.timeout_s)
             self._order.append(request)
             self._decoding += 1
             self._totals["requests"] += 1
+            if prep is not None:
+                self._ready_up(request, prep)
             if len(self._order) == 1:
                 self._wake.notify_all()  # the dispatcher sleeps without a deadline while nothing waits
-        future.add_done_callback(lambda f: self._cancelled(request) if f.cancelled() else None)
-        request.decode = self.decoder.submit(item)
-        request.decode.add_done_callback(lambda f: self._decoded(request, f))
-        return future
+        request.future.add_done_callback(lambda f: self._cancelled(request) if f.cancelled() else None)
+        return request
 
     async def aencode(self, image: Any, *, output: str = DEFAULT_OUTPUT, dtype: str = DEFAULT_DTYPE) -> GlmVitOutput:
         """submit, awaited; cancelling the awaiting task cancels the request."""
@@ -157,7 +175,8 @@ class Batcher:
             self._wake.notify_all()
         for thread in self._threads:
             thread.join()
-        self.decoder.close()
+        if self.decoder is not None:
+            self.decoder.close()
 
     def __enter__(self) -> Batcher:
         return self
@@ -202,21 +221,24 @@ class Batcher:
             if decode.exception() is not None:  # a bug in a decode thread: this request's, not the batcher's
                 self._fail(request, decode.exception())
                 return
-            prep = decode.result()
-            if prep.error is not None:
-                self._fail(request, InputError(prep.error))
-                return
-            request.patches = int(np.prod(canvas_grid(prep.canvas.shape, self.vit.processor)))
-            try:
-                check_patch_budget(self.vit.geometry, request.patches, self.vit.p_max, item_name(request.item))
-            except GlmVitError as exc:
-                self._fail(request, InputError(str(exc)))
-                return
-            request.prep, request.state, request.ready_at, request.decode_s = prep, "ready", time.perf_counter(), \
-                prep.decode_s
-            self._decoding -= 1
-            self._ready.append(request)
-            self._wake.notify_all()
+            self._ready_up(request, decode.result())
+
+    def _ready_up(self, request: _Request, prep: Prepared) -> None:
+        """A decoded request ready for a batch, or failed alone (its image's failure, over the budget)."""
+        if prep.error is not None:
+            self._fail(request, InputError(prep.error))
+            return
+        request.patches = int(np.prod(canvas_grid(prep.canvas.shape, self.vit.processor)))
+        try:
+            check_patch_budget(self.vit.geometry, request.patches, self.vit.p_max, item_name(request.item))
+        except GlmVitError as exc:
+            self._fail(request, InputError(str(exc)))
+            return
+        request.prep, request.state, request.ready_at, request.decode_s = prep, "ready", time.perf_counter(), \
+            prep.decode_s
+        self._decoding -= 1
+        self._ready.append(request)
+        self._wake.notify_all()
 
     def _expire(self, now: float) -> float | None:
         """Fail every request past its deadline; the next deadline, if any request waits."""

@@ -24,6 +24,7 @@ from glmvit_cupy.collection.shards import DEFAULT_SHARD_SIZE
 from glmvit_cupy.collection.sources import IMAGE_EXTENSIONS
 from glmvit_cupy.collection.staging import DEFAULT_DTYPE, DTYPES
 from glmvit_cupy.deploy.encoder_cache import DEFAULT_CACHE_BYTES
+from glmvit_cupy.deploy.handoff import DEFAULT_HTTP_WORKERS
 from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.model import BACKENDS, KERNELS
 from glmvit_cupy.processor.video import VIDEO_EXTENSIONS
@@ -519,12 +520,17 @@ then the server exits 0 (a second signal exits at once).""")
 @click.option("--devices", default=None, metavar="all|0,1,...",
               help="One engine per GPU, one batcher each, requests to the least loaded. With --backend numpy, "
                    "CPU engines. [default: one engine]")
+@click.option("--http-workers", type=click.IntRange(min=1), default=DEFAULT_HTTP_WORKERS,
+              show_default=f"{DEFAULT_HTTP_WORKERS}: half the usable cores, at most 8",
+              help="HTTP front processes: each accepts connections and does a request's HTTP, JSON and image "
+                   "decode, handing the images to the one engine process.")
 @kernels_option
 @processor_options
 @user_errors
 def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, max_wait_ms: float, timeout_s: float,
           max_pixels: int | None, payload_limit: int, cache_bytes: int, allow_files: Path | None,
-          devices: str | None, kernels: str, min_image_tokens: int | None, max_image_tokens: int | None) -> None:
+          devices: str | None, http_workers: int, kernels: str, min_image_tokens: int | None,
+          max_image_tokens: int | None) -> None:
     """Serve embeddings over HTTP (the [serve] extra).
 
     POST /v1/embeddings (OpenAI's shape, images as data:image/...;base64, URLs), POST /embed
@@ -532,7 +538,8 @@ def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, ma
     (Prometheus).
 
     Requests from every client are batched into shared forward calls; results are cached by
-    the sha256 of the image bytes. Each request is one line on stderr.
+    the sha256 of the image bytes. HTTP, JSON and the images' decode run in --http-workers
+    front processes, the engines in this one. Each request is one line on stderr.
     """
     try:
         from glmvit_cupy.deploy import serve as server
@@ -553,7 +560,8 @@ def serve(model_dir: str, host: str, port: int, backend: str, max_queue: int, ma
     if vits[0].backend_note and vits[0].backend == "numpy":
         click.echo(f"glmvit-cupy: {vits[0].backend_note}", err=True)
     try:
-        status = server.run(vits, model=model_dir, directory=directory, limits=limits, sock=sock)
+        status = server.run(vits, model=model_dir, directory=directory, limits=limits, sock=sock,
+                            http_workers=http_workers)
     finally:
         for vit in vits:
             vit.close()

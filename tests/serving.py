@@ -11,12 +11,22 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _LISTENING = re.compile(r"serving .* on (http://127\.0\.0\.1:\d+);")
+_FRONT_STARTED = re.compile(r"HTTP front (\d+) started \(pid (\d+)\)")
 _PR_SET_PDEATHSIG = 1
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return " (zombie)" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
 
 
 def die_with_parent() -> None:
@@ -70,6 +80,11 @@ class ServerProcess:
                 break
             time.sleep(0.02)
         raise RuntimeError(f"no line matching {pattern!r} from the server:\n{self.log()}")
+
+    def front_pids(self) -> list[int]:
+        """The pid of each HTTP front process, the latest started in its place, from the server's lines."""
+        pids = {int(m.group(1)): int(m.group(2)) for m in map(_FRONT_STARTED.search, list(self.lines)) if m}
+        return [pids[i] for i in sorted(pids)]
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample of /metrics: (name, sorted label items) -> value."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import os
 import signal
 import time
@@ -240,3 +241,28 @@ def _decode_children(parent: int) -> list[int]:
     """Live decode worker processes of `parent` (workers.Child runs them under `python -c`)."""
     return sorted(pid for pid, fields, cmdline in live_processes()
                   if int(fields[1]) == parent and b"child_main" in cmdline)
+
+
+def test_canvases_decoded_elsewhere_are_batched_without_a_decode_pool(vit, images, alone):
+    """submit_canvas (the server's fronts decode in their own processes): results as close to each
+    image alone as submit's, an over-budget canvas failing alone with its name, and no decode
+    process started."""
+    from glmvit_cupy.collection.pipeline import prepare
+
+    def children() -> set[str]:
+        return {pid for pid, fields, _ in live_processes() if fields[1] == str(os.getpid())}
+
+    canvases = [prepare(image, vit.processor).canvas for image in images[:6]]
+    side = vit.processor.patch_size * (math.isqrt(vit.p_max) + 2)  # more patches than p_max
+    before = children()
+    with vit.batcher(workers=2) as batcher:
+        futures = [batcher.submit_canvas(c, f"canvas {i}", 0.0, output="both", dtype="float32")
+                   for i, c in enumerate(canvases)]
+        huge = batcher.submit_canvas(np.zeros((side, side, 3), np.uint8), "the huge one", 0.0)
+        results = [f.result(timeout=120) for f in futures]
+        assert children() == before and batcher.decoder is None
+        with pytest.raises(InputError, match=r"^the huge one: \d+ patches exceed p_max"):
+            huge.result(timeout=120)
+    for got, want in zip(results, alone):
+        assert close_to(got.pooler_output, want.pooler_output)
+        assert close_to(got.last_hidden_state, want.last_hidden_state)

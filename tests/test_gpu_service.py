@@ -110,8 +110,8 @@ def test_batcher_results_are_as_accurate_as_encode_alone(real_ckpt):
 def test_device_base64_is_pythons_base64(tiny_ckpt):
     """The server's GPU base64 (device_base64.py) against Python's base64.b64encode: every length
     mod 3 near 0, lengths across chunk boundaries (a 3,000-byte chunk here), a BF16 [rows, dim]
-    array as the server hands it over, and a first call from a fresh thread on another engine's
-    device context."""
+    array as the server hands it over, a first call from a fresh thread on another engine's device
+    context, and the text written into a slot's answer area (`out`)."""
     import base64
 
     from glmvit_cupy.gpu.device_base64 import DeviceBase64
@@ -127,6 +127,30 @@ def test_device_base64_is_pythons_base64(tiny_ckpt):
     whole = DeviceBase64(vit.tower.current)
     assert in_fresh_thread(lambda: whole.encode(bf16)).tobytes() == base64.b64encode(bf16.tobytes())
     assert whole.encode(rows).tobytes() == base64.b64encode(rows.tobytes())
+    slot = np.full(8000, 0xFF, np.uint8)  # an answer area of the server's (handoff.py): the text at its start
+    text = small.encode(rows[:5], out=slot)  # 5,120 bytes: two chunks
+    assert np.shares_memory(text, slot) and text.tobytes() == base64.b64encode(rows[:5].tobytes())
+    assert (slot[text.size:] == 0xFF).all()
+
+
+def test_device_base64_lanes_encode_at_once_each_answer_its_own(tiny_ckpt):
+    """64 answers of different lengths from 16 threads on 2 lanes (a 3,000-byte chunk: several round
+    trips each, the lanes taken and given back many times): every text is its own array's, none mixed
+    with another's; no lane is refused in one line."""
+    import base64
+
+    from glmvit_cupy.gpu.device_base64 import DeviceBase64
+
+    vit = GlmVit.from_pretrained(tiny_ckpt, backend="cupy")
+    with pytest.raises(ValueError, match="lanes 0: must be at least 1"):
+        DeviceBase64(vit.tower.current, lanes=0)
+    encoder = DeviceBase64(vit.tower.current, chunk=3000, lanes=2)
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 256, int(n), dtype=np.uint8) for n in rng.integers(1, 20_000, 64)]
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(encoder.encode, arrays))
+    for i, (array, text) in enumerate(zip(arrays, texts)):
+        assert text.tobytes() == base64.b64encode(array.tobytes()), i
 
 
 def test_a_gpu_servers_base64_answer_is_its_raw_answer(tiny_ckpt):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import termios
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
 from glmvit_cupy.collection.pipeline import Decoder, plan_batches, stream
-from glmvit_cupy.collection.shards import read_embeddings
+from glmvit_cupy.collection.shards import FORMAT, BackgroundWriter, ShardWriter, read_embeddings
 from glmvit_cupy.collection.sources import expand_inputs
 from glmvit_cupy.processor.preprocess import ProcessorConfig
 from glmvit_cupy.tower.synthetic import write_checkpoint
@@ -367,6 +368,38 @@ def test_decoders_give_the_in_thread_canvases_in_order(tmp_path, workers, thread
     assert all(np.array_equal(g.canvas, w.canvas) and g.sha256 == w.sha256 for g, w in zip(got[:-1], want[:-1]))
 
 
+def test_pixel_messages_arrive_whole_in_their_array():
+    """The worker's pixel messages read straight into their array: a message the socket hands
+    over in small pieces, the empty one (decoding failed part way), a size other than the
+    array's (a protocol fault, not a picture), and a worker gone inside a message."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from glmvit_cupy.errors import InternalError
+    from glmvit_cupy.collection.pipeline import _PIXELS_HEAD, _recv_pixels, _send_pixels
+
+    frame = np.random.default_rng(0).integers(0, 256, (300, 500, 3), dtype=np.uint8)
+    a, b = socket.socketpair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # each message arrives in pieces
+    ours, theirs = Connection(a.detach()), Connection(b.detach())
+    sender = threading.Thread(target=lambda: [_send_pixels(theirs, m) for m in (frame, b"", frame[:1, :1])])
+    sender.start()
+    out = np.zeros_like(frame)
+    assert _recv_pixels(ours, out) == frame.nbytes and np.array_equal(out, frame)
+    assert _recv_pixels(ours, out) == 0
+    with pytest.raises(InternalError, match=r"sent 3 bytes of pixels where 450000 were expected"):
+        _recv_pixels(ours, out)
+    sender.join()
+    ours.close(), theirs.close()
+    a, b = socket.socketpair()
+    ours = Connection(a.detach())
+    b.sendall(_PIXELS_HEAD.pack(frame.nbytes) + b"half")
+    b.close()
+    with pytest.raises(EOFError):
+        _recv_pixels(ours, out)
+    ours.close()
+
 FULL_DISK = r'''
 import errno, sys
 import glmvit_cupy.collection.shards as shards
@@ -412,6 +445,49 @@ def test_a_full_disk_is_one_line_and_leaves_whole_shards(tmp_path, tiny):
     again = run("encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
                 "--workers", "1", "--shard-size", "5")
     assert again.returncode == 0 and "skipped 5" in again.stderr and len(records(out)) == 12
+
+
+def test_the_shard_writers_queue_is_bounded_in_bytes(tmp_path):
+    """A disk slower than the engine holds the feeding thread back once the queued rows reach the
+    bound (a call larger than it still passes alone), and every row still lands in order."""
+    width, rows = 64, 1024  # a call: 1024 rows x 64 float32 = 256 KiB
+    writer = ShardWriter(tmp_path, ["pooler_output"], "float32", width, 100, 0, {"format": FORMAT})
+    slow_disk = threading.Event()
+    write = writer.add_part
+    writer.add_part = lambda arrays: (slow_disk.wait(), write(arrays))
+    background = BackgroundWriter(writer, max_bytes=3 * rows * width * 4)
+    parts = [np.full((rows, width), i, np.float32) for i in range(12)]
+    fed = []
+
+    def feed():
+        for part in parts:
+            background.add_part({"pooler_output": part})
+            fed.append(part)
+        background.add({"path": "clip"}, {"pooler_output": parts[0][:1]}, [12, 1, 1])
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    time.sleep(0.5)
+    assert len(fed) == 3 and background.queued_bytes == 3 * parts[0].nbytes  # the fourth waits for the disk
+    slow_disk.set()
+    feeder.join(10)
+    assert not feeder.is_alive()
+    background.finish()
+    assert background.peak_bytes <= background.max_bytes
+    ((record, arrays),) = list(read_embeddings(tmp_path))
+    assert record["tokens"] == 12 * rows + 1
+    np.testing.assert_array_equal(arrays["pooler_output"], np.concatenate(parts + [parts[0][:1]]))
+
+    (tmp_path / "big").mkdir()
+    big = BackgroundWriter(ShardWriter(tmp_path / "big", ["pooler_output"], "float32", width, 100, 0,
+                                       {"format": FORMAT}), max_bytes=1)
+    adder = threading.Thread(target=big.add, args=({"path": "a"}, {"pooler_output": parts[1]}, [1, 32, 32]),
+                             daemon=True)
+    adder.start()
+    adder.join(10)
+    assert not adder.is_alive(), "a call over the bound, alone in the queue, waited for ever"
+    big.finish()
+    assert [r["path"] for r, _ in read_embeddings(tmp_path / "big")] == ["a"]
 
 
 def test_several_directories_read_as_one_collection(tmp_path, tiny):

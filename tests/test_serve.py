@@ -9,6 +9,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -25,8 +26,10 @@ import glmvit_cupy  # noqa: E402
 from glmvit_cupy import GlmVit  # noqa: E402
 from glmvit_cupy.tower.checkpoint import locate_tower  # noqa: E402
 from glmvit_cupy.tower.synthetic import write_checkpoint  # noqa: E402
+from glmvit_cupy.deploy.front import b64decode  # noqa: E402
+from glmvit_cupy.deploy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, listen  # noqa: E402
 from helpers import bomb_png, photo_like, rel_err  # noqa: E402
-from serving import ServerProcess  # noqa: E402
+from serving import ServerProcess, alive  # noqa: E402
 from test_cli import assert_clean_failure, run  # noqa: E402
 
 TOLERANCE = 1e-5  # float32 outputs of the same image in another batch (test_pipeline's batched vs alone)
@@ -292,7 +295,7 @@ def test_overload_is_429_at_once_and_a_late_image_504(tiny_ckpt):
 def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_ckpt):
     """48 requests of one image while the engine is busy: they share one computation, so the batcher's
     queue holds one image and only the cap on held requests (2 x --max-queue 2 x 1 engine = 4, the
-    busy one included) can refuse them."""
+    busy one included) can refuse them. One HTTP front: the cap is split between the fronts."""
     flood, cap = 48, 4
 
     async def timed(client: httpx.AsyncClient, url: str, body: bytes):
@@ -311,7 +314,8 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
             answers = await asyncio.gather(*(timed(client, f"{server.url}/embed", image) for _ in range(flood)))
             busy_answer = await busy
             return answers, busy_answer, busy_done[0]
-    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2") as server:
+    with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--max-queue", "2",
+                       "--http-workers", "1") as server:
         assert httpx.get(f"{server.url}/info").json()["limits"]["max_requests"] == cap
         answers, busy, busy_answered = asyncio.run(main(server))
         assert httpx.get(f"{server.url}/health").status_code == 200
@@ -325,9 +329,62 @@ def test_a_flood_past_the_held_requests_cap_is_answered_200_or_429_at_once(tiny_
     assert len({r.content for status, _, r in answers if status == 200}) == 1
 
 
-def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
-    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1")
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
+    """A connection idle 6 s (past httpx's 5 s pool expiry, which equalled uvicorn's own idle
+    timeout: a POST sent as the server closed it was reset) still answers."""
+    host, port = httpx.URL(server.url).host, httpx.URL(server.url).port
+
+    def health(sock: socket.socket) -> bytes:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: glmvit\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+                re.search(rb"content-length: (\d+)", data, re.I).group(1)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data  # closed by the server
+            data += chunk
+        return data
+
+    with socket.create_connection((host, port), timeout=10) as sock:
+        assert health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert health(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_accepted_connections_send_through_the_servers_send_buffer():
+    """uvloop writes as much of an answer as the kernel takes while holding the GIL: the listener's
+    SO_SNDBUF bounds it, and what the server accepts inherits it (Linux doubles the value set)."""
+    with listen("127.0.0.1", 0) as sock, socket.create_connection(sock.getsockname()[:2]):
+        accepted, _ = sock.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * SEND_BUFFER_BYTES
+
+
+def test_the_data_url_decode_is_base64_b64decode_refusing_what_it_refuses():
+    """front.b64decode (NumPy, off the GIL) against the standard library's strict decode."""
+    rng = np.random.default_rng(0)
+    for n in [*range(40), 3 * 2**16 + 1, 700_002]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert b64decode(base64.b64encode(data).decode()) == data
+    for bad in ["A", "AB=", "ABC=D", "A===", "AB=A", "A=B=", "====", "AB==AB==", "AB\nC", "ABC@", "ABC\u00e9",
+                " ABC", "QUJD-A=="]:
+        with pytest.raises(ValueError):  # binascii.Error, or (not ASCII) ValueError
+            base64.b64decode(bad, validate=True)
+        with pytest.raises(ValueError, match="base64|multiple of 4|padding"):
+            b64decode(bad)
+
+
+@pytest.mark.parametrize("fronts", [1, 2])
+def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt, fronts):
+    """... and the process ran at the server's GIL switch interval, its log lines (written by a thread)
+    all out before it exited. With two HTTP fronts the requests are held by both, and the engine
+    process exits once both have answered theirs and exited."""
+    at_exit = "import atexit, sys; atexit.register(lambda: print('switch interval', sys.getswitchinterval(), " \
+              "file=sys.stderr))"
+    server = ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", "--devices", "0,1", "--http-workers",
+                           str(fronts), prelude=at_exit)
     try:
+        pids = server.front_pids()
         assert {server.metric("glmvit_engine_images_total", engine=e) for e in ("0", "1")} == {1}  # the warm-ups
 
         def taken() -> float:
@@ -348,7 +405,12 @@ def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt):
         assert late.status_code == 503 and "draining" in error_of(late)
         assert [r.status_code for r in done] == [200] * 4
         assert server.proc.wait(30) == 0
+        server.stop()  # its stderr read to the end
         assert "Traceback" not in server.log()
+        assert len(re.findall(r"POST /embed 200 ", server.log())) == 4
+        assert set(re.findall(r"front (\d): .*POST /embed 200 ", server.log())) == {str(i) for i in range(fronts)}
+        assert server.lines[-1] == f"switch interval {SWITCH_INTERVAL_S}"
+        assert not any(alive(pid) for pid in pids)
     finally:
         server.stop()
 
@@ -438,7 +500,7 @@ def test_port_in_use_and_missing_extra_are_one_line(tiny_ckpt):
 def test_nothing_else_imports_the_server():
     code = ("import sys, cli, glmvit_cupy, glmvit_cupy.collection.pipeline, glmvit_cupy.deploy.devices, "
             "glmvit_cupy.deploy.encoder_cache; print(json.dumps(sorted(m for m in ('glmvit_cupy.deploy.serve', "
-            "'starlette', 'uvicorn', 'prometheus_client') "
+            "'glmvit_cupy.deploy.front', 'starlette', 'uvicorn', 'prometheus_client') "
             "if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []

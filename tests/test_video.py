@@ -199,6 +199,43 @@ def test_a_group_over_one_forward_call_is_refused(checkpoints, clips):
         vit.encode_video(clips["mp4_2997"])
 
 
+# (source h, w) -> (out h, w): both axes of float32 sums (1080p to the budget of clip-005 of the
+# benchmark), both of float64 (scaled down ~2.6x: the 10-minute clip's), one of each, enlarged,
+# one pixel, and 4K scaled down 5x.
+RESIZES = [((1080, 1920), (1008, 1792)), ((1080, 1920), (420, 728)), ((64, 80), (13, 300)), ((24, 32), (56, 84)),
+           ((100, 100), (1, 1)), ((2160, 3840), (420, 728))]
+TORCHVISION_RESIZE = """import sys, numpy as np, torch
+from torchvision.transforms.v2 import InterpolationMode, functional
+inputs, out = np.load(sys.argv[1]), {}
+for name in inputs.files:  # HxWx3 uint8 named h_w_outh_outw
+    image = torch.from_numpy(inputs[name]).permute(2, 0, 1)
+    size = [int(v) for v in name.split("_")[2:]]
+    out[name] = functional.resize(image, size, InterpolationMode.BICUBIC, antialias=True).permute(1, 2, 0).numpy()
+np.savez(sys.argv[2], **out)
+"""
+
+
+@needs_oracle
+def test_resize_equals_torchvision_byte_for_byte(tmp_path):
+    """video.resize_uint8 against torchvision's own uint8 resize (the processor's), on sizes whose
+    sums take the float32 products, the float64 ones, and one of each."""
+    from glmvit_cupy.processor.video import _bands, resize_uint8
+
+    assert {_bands(a, b)[0][0][4].dtype.name for (h, w), (oh, ow) in RESIZES
+            for a, b in ((h, oh), (w, ow)) if a != b} == {"float32", "float64"}
+    images = {f"{h}_{w}_{oh}_{ow}": photo_like(h, w, seed=h + w) for (h, w), (oh, ow) in RESIZES}
+    np.savez(tmp_path / "in.npz", **images)
+    run = subprocess.run([ORACLE, "-c", TORCHVISION_RESIZE, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    want = np.load(tmp_path / "out.npz")
+    for name, image in images.items():
+        oh, ow = map(int, name.split("_")[2:])
+        got = resize_uint8(image, oh, ow)
+        assert got.shape == want[name].shape and np.array_equal(got, want[name]), \
+            f"{name}: {np.count_nonzero(got != want[name])} values differ"
+
+
 def test_only_sampled_frames_are_kept(tmp_path):
     """20 s of 320x240 frames (138 MB raw) at a budget that scales them to 168x126: decoding holds
     the 40 sampled frames, scaled as they come (2.5 MB), not the clip. Measured as the growth of

@@ -8,8 +8,14 @@ write the same bits; the decode pool's frame budget holds."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tarfile
+import threading
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -23,8 +29,10 @@ from glmvit_cupy.collection.shards import read_embeddings
 from glmvit_cupy.collection.sources import Source, expand_inputs
 from glmvit_cupy.processor.preprocess import ProcessorConfig
 from glmvit_cupy.processor.video import VideoConfig, video_config
+from glmvit_cupy.tower.checkpoint import read_header
 from glmvit_cupy.tower.synthetic import write_checkpoint
-from test_pipeline import make_images, records, run
+from test_batcher import _decode_children
+from test_pipeline import CLI as CLI_ARGS, make_images, records, run
 from test_video import write_audio_only, write_clip
 
 PATCHES = 300  # a forward call's budget: two or three temporal groups of these clips, beside images
@@ -232,32 +240,240 @@ def test_the_packer_cuts_videos_between_groups():
 
 
 def test_the_frame_budget_holds_back_videos_decoded_ahead(collection):
-    """Worker processes stream each video's frames into the main process, where at most the
-    budget's bytes wait beyond the video the pipeline is on; with no room at all, one video at a
-    time. The frames are those decoded in this thread."""
+    """Worker processes stream each video's temporal groups into the main process, where at
+    most the budget's bytes wait, received and not yet staged; with no room at all, one group
+    at a time of the video the pipeline is on. The frames are those decoded in this thread."""
     config = VideoConfig(max_image_tokens=2000)
     items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv", "c.webm", "d.mov", "zz-cut.mp4")]
     want = list(Decoder(0, ProcessorConfig(), video=config).map(items))
     decoder = Decoder(2, ProcessorConfig(), video=config)
     budget = decoder.pool.budget
     budget.limit = 1
+    got = []
     try:
-        got = list(decoder.map(items))
+        for prepared in decoder.map(items):
+            taken = []
+            for group in prepared.groups:
+                taken.append(group)
+                prepared.groups.staged(group.nbytes)
+            got.append((prepared, np.concatenate(taken) if taken else None))
     finally:
         decoder.close()
-    assert [g.error for g in got] == [w.error for w in want] and want[-1].error.startswith(
+    assert [g.groups.error for g, _ in got] == [w.error for w in want] and want[-1].error.startswith(
         f"{collection / 'zz-cut.mp4'}: truncated: the header counts")
-    for g, w in zip(got[:-1], want[:-1]):
-        assert np.array_equal(g.canvas, w.canvas) and g.video == w.video and g.sha256 == w.sha256
-    assert budget.held == 0 and budget.peak == max(w.canvas.nbytes for w in want[:-1])
+    for (g, frames), w in zip(got[:-1], want[:-1]):
+        assert np.array_equal(frames, w.canvas) and g.video == w.video and g.sha256 == w.sha256
+        assert g.groups.shape == w.canvas.shape
+    assert budget.held == 0 and budget.peak == max(2 * w.canvas[0].nbytes for w in want[:-1])
 
 
-def test_the_frame_budget_lets_the_head_through():
+def test_the_frame_budget_lets_the_head_through_when_it_is_waited_for():
     budget = FrameBudget(limit=100)
     budget.take("a", 80)
     budget.head("b")
-    budget.take("b", 500)  # the input waited for goes ahead, over the limit
+    budget.take("b", 500, waited=lambda: True)  # the input waited for goes ahead, over the limit
     assert (budget.held, budget.peak) == (580, 580)
     budget.give(580)
     budget.take("c", 100)
     assert budget.held == 100
+    done = threading.Event()
+    threading.Thread(target=lambda: (budget.take("b", 50, waited=lambda: False), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # the head with groups still waiting is held to the limit like any
+    budget.give(60)
+    assert done.wait(5) and budget.held == 90
+
+
+def test_an_abandoned_video_gives_its_frames_back(collection):
+    """A stream that stops mid-video (its consumer gone) leaves the budget as it found it: the
+    groups waiting and those still to come are dropped, their bytes back."""
+    decoder = Decoder(1, ProcessorConfig(), video=VideoConfig(max_image_tokens=2000))
+    budget = decoder.pool.budget
+    try:
+        prepared = next(iter(decoder.map([Source(str(collection / "a.mp4"))])))
+        first = next(iter(prepared.groups))
+        assert budget.held >= first.nbytes
+        prepared.groups.abandon()
+    finally:
+        decoder.close()
+    assert budget.held == 0 and prepared.groups.ended and not prepared.groups.waiting
+
+
+def test_a_streamed_run_writes_what_a_run_decoding_whole_writes(collection, ckpt, encoded, tmp_path):
+    """Decode workers streaming each video's groups into the packer (the `encoded` run) and
+    videos decoded whole in the main process (--workers 0) give the same shards, byte for byte:
+    several videos, odd group counts, one cut over two forward calls, images between them."""
+    one, whole = encoded[1], tmp_path / "whole"
+    proc = encode(collection, whole, ckpt, "--workers", "0")
+    assert proc.returncode == 1 and "encoded 10, skipped 0, failed 4" in proc.stderr, proc.stderr
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in whole.iterdir())
+    for name in names:
+        assert (one / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def _mid_video_collection(root: Path) -> Path:
+    """An image, a 60 s clip (60 temporal groups, 30 forward calls of PATCHES), an image."""
+    root.mkdir()
+    for i, image in enumerate(make_images(root / "img", 2, seed=41)):
+        shutil.move(image, root / f"{2 * i}.jpg")
+    shutil.rmtree(root / "img")
+    write_clip(root / "1-long.mp4", 1800, 30, 120, 160, "libx264", seed=42)
+    return root
+
+
+def _rows_written(out: Path, shard: int, after: int) -> int:
+    """The size of the temp file of `shard` once it is over `after` bytes (0: not yet)."""
+    sizes = [p.stat().st_size for p in out.glob(f".shard-{shard:05d}.safetensors*")]
+    return max(sizes) if sizes and max(sizes) > after else 0
+
+
+@pytest.mark.parametrize("sig, shard_size", [(signal.SIGKILL, 1), (signal.SIGINT, 1), (signal.SIGINT, 2)])
+def test_interrupted_mid_video_resumes_to_the_same_outputs(ckpt, tmp_path, sig, shard_size):
+    """A run stopped while a video's rows stream into its shard (SIGKILL: no clean-up at all;
+    Ctrl-C: the writer seals what is whole, the image before the clip in its shard at size 2)
+    shows no part of that video; the next run encodes it and ends with a run never stopped's
+    embeddings and records (at shard size 1 its very bytes; at 2 the shards are cut elsewhere)."""
+    root = _mid_video_collection(tmp_path / "in")
+    args = [*CLI_ARGS, "encode", str(root), "--model", str(ckpt), "--backend", "numpy", "--dtype", "float32",
+            "--output", "both", "--workers", "1", "--shard-size", str(shard_size), "--quiet", *CALL]
+    whole = subprocess.run([*args, "--out-dir", str(tmp_path / "whole")], capture_output=True, text=True)
+    assert whole.returncode == 0 and "encoded 3, skipped 0" in whole.stderr, whole.stderr
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*args, "--out-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline, shard, image = time.time() + 120, 1 if shard_size == 1 else 0, 0
+    while time.time() < deadline and proc.poll() is None:
+        if shard == 1 and (out / "shard-00000.jsonl").exists() and _rows_written(out, 1, 0):
+            break  # the clip's first rows are in its shard
+        if shard == 0 and image and _rows_written(out, 0, image):
+            break  # the clip's first rows are in the shard, after the image's
+        if shard == 0 and not image:
+            image = _rows_written(out, 0, 0)
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before the clip's rows were written"
+    os.killpg(proc.pid, sig)
+    proc.wait(60)
+    kept = [str(root / "0.jpg")] if sig == signal.SIGINT or shard_size == 1 else []
+    assert [r["path"] for r in records(out)] == kept  # not the clip, not a part of it
+    if sig == signal.SIGINT:
+        assert not [p for p in out.iterdir() if p.name.startswith(".")]  # its rows were cut off, not sealed
+    resumed = subprocess.run([*args, "--out-dir", str(out)], capture_output=True, text=True)
+    assert resumed.returncode == 0 and f"skipped {len(kept)}" in resumed.stderr, resumed.stderr
+    if shard_size == 1:
+        names = sorted(p.name for p in out.iterdir())
+        assert names == sorted(p.name for p in (tmp_path / "whole").iterdir())
+        for name in names:
+            assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    got = {r["path"]: (r, a) for r, a in read_embeddings(out)}
+    want = {r["path"]: (r, a) for r, a in read_embeddings(tmp_path / "whole")}
+    assert sorted(got) == sorted(want) and len(got) == 3
+    for path, (record, arrays) in want.items():
+        assert {**got[path][0], "rows": None} == {**record, "rows": None}
+        for name, array in arrays.items():
+            assert np.array_equal(got[path][1][name], array), (path, name)
+
+
+def test_a_video_failing_after_rows_were_written_leaves_none(ckpt, tmp_path):
+    """A clip cut short fails once its decode runs out of frames, after batches of its groups
+    were computed and their rows written into the shard: those rows are cut off again, and the
+    image after it in the same shard is what it is alone."""
+    root = tmp_path / "in"
+    root.mkdir()
+    fast = write_clip(tmp_path / "fast.mp4", 1800, 30, 120, 160, "libx264", seed=43, options={"movflags": "faststart"})
+    (root / "0-cut.mp4").write_bytes(fast.read_bytes()[:fast.stat().st_size * 6 // 10])
+    shutil.move(make_images(tmp_path / "img", 1, seed=44)[0], root / "1.jpg")
+    args = ["--model", str(ckpt), "--backend", "numpy", "--dtype", "float32", "--output", "both", "--workers", "1",
+            "--shard-size", "5", "--quiet", *CALL]
+    both = run("encode", str(root), "--out-dir", str(tmp_path / "both"), *args)
+    assert both.returncode == 1 and "encoded 1, skipped 0, failed 1" in both.stderr, both.stderr
+    assert "0-cut.mp4: truncated" in (tmp_path / "both" / "failures.jsonl").read_text()
+    alone = run("encode", str(root / "1.jpg"), "--out-dir", str(tmp_path / "alone"), *args)
+    assert alone.returncode == 0, alone.stderr
+    assert records(tmp_path / "both") == records(tmp_path / "alone")  # rows [0, n]: nothing before the image's
+    ((_, got),), ((_, want),) = read_embeddings(tmp_path / "both"), read_embeddings(tmp_path / "alone")
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    body = []
+    for directory in (tmp_path / "both", tmp_path / "alone"):
+        shard = directory / "shard-00000.safetensors"
+        read_header(shard)  # the safetensors library's check: the data section covered exactly
+        body.append(shard.stat().st_size - 8 - int.from_bytes(shard.read_bytes()[:8], "little"))
+    assert body[0] == body[1]  # no rows of the clip left in the file (the headers differ: the video settings)
+
+
+def test_a_collection_holds_a_bounded_number_of_a_long_clips_frames(ckpt, tmp_path):
+    """The main process of a collection run, in a fresh process: a 10 s clip, then a 120 s one
+    of the same frames (240 sampled frames, ~60 MB on their canvases, their rows ~1 MB) under a
+    frame budget of 4 MiB. The long clip's frames go to the engine a group at a time and its
+    rows to the shard a batch at a time, so its peak RSS (VmHWM, the process's own since exec)
+    grows by the budget and a few batches, not by the clip: before, the whole clip was held."""
+    write_clip(tmp_path / "short.mp4", 300, 30, 240, 320, "libx264", seed=51)
+    write_clip(tmp_path / "long.mp4", 3600, 30, 240, 320, "libx264", seed=51)
+    budget = 4 << 20
+    code = f"""
+import numpy as np
+from pathlib import Path
+from glmvit_cupy import GlmVit
+from glmvit_cupy.collection.pipeline import Decoder, encode_collection
+from glmvit_cupy.collection.sources import Source
+from glmvit_cupy.processor.preprocess import ProcessorConfig
+from glmvit_cupy.processor.video import VideoConfig
+def peak(): return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])
+vit = GlmVit.from_pretrained({str(ckpt)!r}, backend="numpy", max_pixels={2 * 432 * 14 * 14})  # 2 groups a call
+config = VideoConfig(max_image_tokens=60000)
+decoder = Decoder(1, ProcessorConfig(), video=config)
+decoder.pool.budget.limit = {budget}
+for name in ("short", "long"):
+    before = peak()
+    summary = encode_collection(vit, [Source({str(tmp_path)!r} + "/" + name + ".mp4")], Path({str(tmp_path)!r}) / name,
+                                shard_size=1, dtype="bfloat16", decoder=decoder)
+    assert summary.encoded == 1, summary
+    print(name, peak() - before, decoder.pool.budget.peak)
+decoder.close()
+"""
+    run_ = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run_.returncode == 0, run_.stderr
+    lines = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in run_.stdout.splitlines()}
+    (record,) = records(tmp_path / "long")
+    _, h, w = record["grid_thw"]
+    group = 2 * (h * 14) * (w * 14) * 3
+    frame_bytes = record["frames"] * group // 2
+    grown_kib, budget_peak = lines["long"]
+    assert (h, w) == (18, 24) and budget_peak <= budget + group  # the head passes one group over it at most
+    print(f"long clip: main's VmHWM grew {grown_kib >> 10} MiB; frames {frame_bytes >> 20} MiB; budget peak "
+          f"{budget_peak >> 20} MiB; short: {lines['short']}")
+    assert grown_kib << 10 < budget + (16 << 20) < frame_bytes // 2
+
+
+def test_a_worker_killed_mid_video_fails_that_video_alone(collection, tmp_path):
+    """A decode worker SIGKILLed after its video's first groups went to the packer: the video's
+    groups end with the reason (it cannot be retried, its groups are packed already), the
+    worker is replaced, the next input decodes as in this thread, and the budget is whole."""
+    clip = write_clip(tmp_path / "long.mp4", 1800, 30, 120, 160, "libx264", seed=45)
+    image = sorted((collection / "img").glob("*"))[0]
+    items = [Source(str(clip)), Source(str(image))]
+    config = VideoConfig(max_image_tokens=2000)
+    others = set(_decode_children(os.getpid()))  # pools of earlier tests, still open
+    decoder = Decoder(1, ProcessorConfig(), video=config)
+    budget = decoder.pool.budget
+    budget.limit = 1  # one group ahead of the packer: the worker is mid-video, not done
+    try:
+        prepared = decoder.map(items)
+        video = next(prepared)
+        groups = iter(video.groups)
+        first = next(groups)
+        video.groups.staged(first.nbytes)
+        (worker,) = [pid for pid in _decode_children(os.getpid()) if pid not in others]
+        os.kill(worker, signal.SIGKILL)
+        rest = list(groups)
+        for group in rest:
+            video.groups.staged(group.nbytes)
+        after = next(prepared)
+    finally:
+        decoder.close()
+    assert 1 + len(rest) < video.groups.count
+    assert video.groups.error == f"{clip}: its decode worker process died while decoding it (killed, or out of memory)"
+    want = Decoder(0, ProcessorConfig(), video=config).map(items[1:])
+    assert after.error is None and np.array_equal(after.canvas, next(want).canvas)
+    assert budget.held == 0

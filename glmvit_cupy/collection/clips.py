@@ -8,9 +8,12 @@ only a video needs is here:
   never read into memory whole), its header (video.VideoReader: the processor's sampling and
   the canvas of every frame), then its sampled frames one at a time, each decoded, scaled and
   padded onto the canvas as it comes. The worker sends each frame on as it is made, so it
-  holds one frame; the main process holds the video's sampled frames, uint8 [T, H, W, 3].
-- `FrameBudget`: the bytes of such frames the main process may hold ahead of the input the
-  pipeline waits for, so that decode workers running ahead on long videos cannot fill memory.
+  holds one frame.
+- `Groups`: a video's temporal groups in the main process, uint8 [2, H, W, 3] each, from
+  their receipt until the packer has staged them: the packer takes them as they arrive, so a
+  video is packed while it decodes and no process holds its frames whole.
+- `FrameBudget`: the bytes of such groups the main process may hold, received and not yet
+  staged, so that decode workers running ahead on long videos cannot fill memory.
 - `ClipInfo`: what a video's shard record says beyond an image's (`"kind": "video"`, frames
   sampled, the source's frame rate, each temporal group's timestamp).
 
@@ -22,14 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Iterator
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import numpy as np
 
 from ..processor.video import VideoConfig, VideoReader, on_canvas
 from .sources import Source
 
-# Decoded frames the main process may hold for videos decoded ahead of the one the pipeline
-# is on: a 2-minute 720p clip at full size is ~0.7 GB of sampled frames, so this lets several
-# workers run ahead on such clips while the engine works.
+# Decoded frames the main process may hold, received and not yet staged: a 2-minute 720p clip
+# at full size is ~0.7 GB of sampled frames, so this lets several workers run ahead on such
+# clips while the engine works.
 FRAME_BYTES_AHEAD = 4 << 30
 
 
@@ -67,37 +73,121 @@ def start(source: Source, config: VideoConfig) -> Iterator[Any]:
 
 
 class FrameBudget:
-    """Bytes of decoded video frames held in the main process ahead of the pipeline. A decode
-    pool's receiving thread takes a video's bytes (`take`) before it receives its frames, and
-    waits while the budget is spent, unless the video is the input the pipeline waits for
-    (`head`): that one always goes ahead, so the budget can slow decoding ahead, never stop the
-    run. The pipeline gives the bytes back (`give`) when it takes the video. `release` lets
-    every waiter through (the pool is closing). `peak`: the most ever held."""
+    """Bytes of decoded video frames held in the main process, from their receipt until the
+    packer stages them. A decode pool's receiving thread takes a group's bytes (`take`) before
+    it receives it, and waits while the budget is spent, unless its video is the input the
+    pipeline is on (`head`) and none of that video's groups is waiting: the pipeline waits for
+    that one, so it always goes ahead and the budget can slow decoding, never stop the run.
+    Groups give the bytes back (`give`) when staged. `release` lets every waiter through (the
+    pool is closing). `peak`: the most ever held. Its condition is also its Groups' lock."""
 
     def __init__(self, limit: int = FRAME_BYTES_AHEAD) -> None:
         self.limit, self.held, self.peak = limit, 0, 0
         self._head: Any = None
         self._released = False
-        self._changed = threading.Condition()
+        self.changed = threading.Condition()
 
     def head(self, ticket: Any) -> None:
-        """`ticket` (a decode's future) is the input the pipeline now waits for."""
-        with self._changed:
+        """`ticket` (a decode's future) is the input the pipeline is now on."""
+        with self.changed:
             self._head = ticket
-            self._changed.notify_all()
+            self.changed.notify_all()
 
-    def take(self, ticket: Any, nbytes: int) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: ticket is self._head or self.held + nbytes <= self.limit or self._released)
+    def take(self, ticket: Any, nbytes: int, waited: Callable[[], bool] = lambda: False) -> None:
+        """Room for `nbytes` of `ticket`'s frames; `waited()`: the pipeline waits for them."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.held + nbytes <= self.limit or self._released
+                                  or (ticket is self._head and waited()))
             self.held += nbytes
             self.peak = max(self.peak, self.held)
 
     def give(self, nbytes: int) -> None:
-        with self._changed:
+        with self.changed:
             self.held -= nbytes
-            self._changed.notify_all()
+            self.changed.notify_all()
 
     def release(self) -> None:
-        with self._changed:
+        with self.changed:
             self._released = True
-            self._changed.notify_all()
+            self.changed.notify_all()
+
+
+class Groups:
+    """A video's temporal groups (of its frames' `shape` [T, H, W, 3]), uint8 [temporal, H, W,
+    3] each, in time order: put by the
+    receiving thread as its decode worker sends them (`received`, then `end` or `fail`), taken
+    by the packer (iteration, which waits for each). Each holds `budget` bytes from its receipt
+    until the packer has staged it (`staged`). `abandon`: nobody will take the rest (the
+    pipeline stopped): what waits and what still comes gives its bytes back at once."""
+
+    def __init__(self, shape: tuple[int, ...], temporal: int, budget: FrameBudget | None = None,
+                 ticket: Any = None) -> None:
+        self.shape, self.count, self.budget, self.ticket = tuple(shape), shape[0] // temporal, budget, ticket
+        self.lock = budget.changed if budget is not None else threading.Condition()
+        self.waiting: deque[np.ndarray] = deque()
+        self.ended = self.abandoned = False
+        self.error: str | None = None
+        self.held = 0  # bytes of the budget its groups hold: received (or being received), not staged
+
+    @classmethod
+    def whole(cls, frames: np.ndarray, temporal: int) -> "Groups":
+        """A video decoded whole (in the calling thread): its groups as views of its frames."""
+        groups = cls(frames.shape, temporal)
+        groups.waiting.extend(frames[i:i + temporal] for i in range(0, len(frames), temporal))
+        groups.ended = True
+        return groups
+
+    def take(self, nbytes: int) -> None:
+        """Room in the budget for the next group (the receiving thread, before receiving it)."""
+        if self.budget is None:
+            return
+        self.budget.take(self.ticket, nbytes, lambda: not self.waiting or self.abandoned)
+        with self.lock:
+            if self.abandoned:  # nobody takes it: the bytes go back at once
+                self.budget.give(nbytes)
+            else:
+                self.held += nbytes
+
+    def received(self, group: np.ndarray) -> None:
+        with self.lock:
+            if not self.abandoned:  # an abandoned one's bytes went back with the rest
+                self.waiting.append(group)
+                self.lock.notify_all()
+
+    def end(self, error: str | None = None, lost: int = 0) -> None:
+        """No more groups: all came, or decoding failed part way (`error`: why; `lost`: the bytes
+        taken for a group that never came)."""
+        with self.lock:
+            self.ended, self.error = True, error
+            if not self.abandoned:
+                self._give(lost)
+            self.lock.notify_all()
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """The groups in order as they come; then `error` says whether all came."""
+        while True:
+            with self.lock:
+                self.lock.wait_for(lambda: self.waiting or self.ended)
+                if not self.waiting:
+                    return
+                group = self.waiting.popleft()
+                self.lock.notify_all()  # none waiting: the receiving thread may go ahead of the budget
+            yield group
+
+    def staged(self, nbytes: int) -> None:
+        """A group taken has been staged: its bytes are free."""
+        with self.lock:
+            if not self.abandoned:
+                self._give(nbytes)
+
+    def abandon(self) -> None:
+        with self.lock:
+            if not self.abandoned:
+                self.abandoned = True
+                self._give(self.held)
+                self.waiting.clear()
+
+    def _give(self, nbytes: int) -> None:
+        if self.budget is not None and nbytes:
+            self.held -= nbytes
+            self.budget.give(nbytes)

@@ -6,17 +6,20 @@
                resize, pad)
 
 Every stage is bounded: at most `window` inputs are being decoded or wait decoded (and at
-most clips.FRAME_BYTES_AHEAD of video frames beyond the input the packer waits for), two
-batches are on the engine, and results leave in input order as soon as the inputs before
-them are done, so memory does not grow with the collection. Workers hand over uint8 pixels:
-an image's canvas (preprocess.canvas), or a video's sampled frames on their canvas, streamed
-a frame at a time (clips.py); the engine patchifies them itself (staging.py). The packer
-deals in temporal groups (an image is one): a video whose groups do not fit the batch is cut
-between groups and continued in the next (exact: attention never crosses a group), and its
-pieces' rows are joined again in time order. Workers are processes (workers.Child: fresh
-interpreters that die with their parent): the decode is CPU-bound Python/PIL/FFmpeg, and a
-fork of a process that holds a CUDA context is not safe. `GlmVit.encode_iter` and the CLI's
-collection runs (`encode_collection`) are both built on `stream`.
+most clips.FRAME_BYTES_AHEAD of video frames received and not yet staged, but for a group of
+the video the packer waits for), two batches are on the engine, and results leave in input
+order as soon as the inputs before them are done, so memory does not grow with the collection
+nor with a video's length. Workers hand over uint8 pixels: an image's canvas
+(preprocess.canvas), or a video's sampled frames on their canvas, streamed a frame at a time
+(clips.py); the engine patchifies them itself (staging.py). The packer deals in temporal
+groups (an image is one) and takes a video's as they arrive: where a batch fills, the video is
+cut between groups and continued in the next (exact: attention never crosses a group). Its
+pieces' rows are joined again in time order, or, for a collection's shards, leave one batch's
+at a time (Part) and are written into the shard as they come. Workers are processes
+(workers.Child: fresh interpreters that die with their parent): the decode is CPU-bound
+Python/PIL/FFmpeg, and a fork of a process that holds a CUDA context is not safe.
+`GlmVit.encode_iter` and the CLI's collection runs (`encode_collection`) are both built on
+`stream`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import json
 import os
 import queue
 import signal
+import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -39,12 +44,12 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 import numpy as np
 
 from . import clips
-from ..errors import GlmVitError
+from ..errors import GlmVitError, InternalError
 from ..processor.preprocess import EncodedImage, ProcessorConfig, canvas, canvas_grid, check_processor
 from ..processor.video import VideoConfig, check_video_config
 from ..tower.geometry import GlmVitGeometry, check_patch_budget, patch_budget
 from ..workers import Child, usable_cpus
-from .clips import ClipInfo, FrameBudget
+from .clips import ClipInfo, FrameBudget, Groups
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
 from .staging import OUTPUT_NAMES, check_dtype, make_stager
@@ -65,7 +70,7 @@ class Prepared:
     sha256: str | None = None
     decode_s: float = 0.0
     video: ClipInfo | None = None  # a video's timestamps, frames and frame rate
-    held: int = 0  # bytes of a DecodePool's FrameBudget its frames hold until the pipeline takes it
+    groups: Groups | None = None  # a DecodePool's video: its frames, a temporal group at a time as they come
 
 
 Config = Union[ProcessorConfig, VideoConfig]  # an input's settings: the image or the video processor's
@@ -122,12 +127,59 @@ def _start(item: Any, config: Config) -> Iterator[Any]:
         yield from steps  # a fault here is the caller's to catch: the frames before it are gone already
 
 
+# Pixels cross from a decode worker as raw bytes after the rest (a pickled array costs two more
+# copies of it: a third of a lone request's time), in messages of their own: an 8-byte length,
+# then the bytes, which the parent reads straight into their array in one recv(MSG_WAITALL),
+# without the GIL until the whole message is in. Connection.recv_bytes_into reads a message into
+# a BytesIO in chunks and copies it out, holding the GIL for both copies; a read a socket buffer
+# at a time takes the GIL back after each, behind whatever Python the main thread runs. A video
+# collection moves GBs of frames through the parent (benchmarks/NOTES.md, issue 26).
+_PIXELS_HEAD = struct.Struct("!Q")
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _send_pixels(conn: Any, pixels: np.ndarray | bytes) -> None:
+    """One pixel message (b"": the empty one, which says decoding failed part way)."""
+    data = memoryview(pixels).cast("B")
+    _write_all(conn.fileno(), memoryview(_PIXELS_HEAD.pack(len(data))))
+    _write_all(conn.fileno(), data)
+
+
+def _read_into(fd: int, view: memoryview) -> None:
+    sock = socket.socket(fileno=fd)  # borrowed: detached below, so the connection keeps its fd
+    try:
+        got = 0
+        while got < len(view):  # MSG_WAITALL returns short only at a signal or the end
+            n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise EOFError("the decode worker's connection closed inside a message")
+            got += n
+    finally:
+        sock.detach()
+
+
+def _recv_pixels(conn: Any, out: np.ndarray) -> int:
+    """One pixel message read into `out` (contiguous uint8), which it must fill; its size in
+    bytes (0: the empty message)."""
+    head = bytearray(_PIXELS_HEAD.size)
+    _read_into(conn.fileno(), memoryview(head))
+    (size,) = _PIXELS_HEAD.unpack(head)
+    if size and size != out.nbytes:
+        raise InternalError(f"a decode worker sent {size} bytes of pixels where {out.nbytes} were expected")
+    if size:
+        _read_into(conn.fileno(), memoryview(out).cast("B"))
+    return size
+
+
 def _decode_worker(conn: Any) -> None:
     """A decode worker process (workers.Child): (input, settings) in, Prepared out, until the
-    parent closes the connection. Pixels travel as raw bytes after the rest (a pickled array
-    costs two more copies of it: a third of a lone request's time): an image's canvas in one
-    message, a video's frames one a message as they are decoded, then an empty message and
-    the reason if decoding fails part way."""
+    parent closes the connection. Pixels follow the rest as pixel messages (_send_pixels): an
+    image's canvas in one, a video's frames one a message as they are decoded, then an empty
+    message and the reason if decoding fails part way."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     while True:
         try:
@@ -141,39 +193,50 @@ def _decode_worker(conn: Any) -> None:
         pixels, prepared.canvas = prepared.canvas, None
         conn.send((prepared, shape if pixels is None else pixels.shape))
         if pixels is not None:
-            conn.send_bytes(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+            _send_pixels(conn, np.ascontiguousarray(pixels))
         elif shape is not None:
             try:
                 for frame in steps:
-                    conn.send_bytes(memoryview(frame).cast("B"))
+                    _send_pixels(conn, frame)
             except (GlmVitError, MemoryError) as exc:
-                conn.send_bytes(b"")
+                _send_pixels(conn, b"")
                 conn.send(_reason(item, exc))
 
 
-def _receive_prepared(conn: Any, budget: FrameBudget | None = None, ticket: Any = None) -> Prepared:
-    """What _decode_worker sends, the pixels read straight into their array; a video's frames
-    once `budget` has room for them (`ticket`: its decode's future)."""
+def _receive_prepared(conn: Any, name: str, temporal: int, publish: Any, budget: FrameBudget | None = None,
+                      ticket: Any = None) -> Prepared | None:
+    """What _decode_worker sends, the pixels read straight into their array. A video's
+    Prepared is published (`publish`) at its header, holding its Groups, which its frames
+    then fill a temporal group (`temporal` frames) at a time, each once `budget` has room for it
+    (`ticket`: its decode's future); None is returned then. A connection lost after that ends
+    the video's groups with the reason and raises."""
     prepared, shape = conn.recv()
     if shape is None:
         return prepared
-    pixels = np.empty(shape, dtype=np.uint8)
     if prepared.video is None:
-        conn.recv_bytes_into(pixels.reshape(-1))  # flat: a 3-D view's len() is its height
-        prepared.canvas = pixels
+        prepared.canvas = np.empty(shape, dtype=np.uint8)
+        _recv_pixels(conn, prepared.canvas)
         return prepared
-    if budget is not None:
-        budget.take(ticket, pixels.nbytes)
-        prepared.held = pixels.nbytes
+    groups = prepared.groups = Groups(shape, temporal, budget, ticket)
+    publish(prepared)
+    taken = 0  # bytes taken for the group being received
     try:
-        for row in pixels.reshape(len(pixels), -1):  # a frame a message
-            if conn.recv_bytes_into(row) == 0:  # decoding failed part way: the reason follows
-                return Prepared(None, conn.recv(), prepared.nbytes, prepared.sha256, prepared.decode_s)
-        prepared.canvas = pixels
-        return prepared
-    finally:
-        if prepared.canvas is None and prepared.held:
-            budget.give(prepared.held)
+        for _ in range(groups.count):
+            group = np.empty((temporal, *shape[1:]), dtype=np.uint8)
+            groups.take(group.nbytes)
+            taken = group.nbytes
+            for row in group.reshape(temporal, -1):  # a frame a message
+                if _recv_pixels(conn, row) == 0:  # decoding failed part way: the reason follows
+                    groups.end(conn.recv(), lost=taken)
+                    return None
+            groups.received(group)
+            taken = 0
+        groups.end()
+    except BaseException as exc:
+        groups.end(f"{name}: its decode worker process died while decoding it (killed, or out of memory)"
+                   if isinstance(exc, (EOFError, OSError)) else f"{name}: {exc!r}", lost=taken)
+        raise
+    return None
 
 
 def item_name(item: Any) -> str:
@@ -193,9 +256,10 @@ def _decode_child() -> Child:
 class DecodePool:
     """`workers` decode processes (workers.Child), each fed by a thread of its own that sends it
     one input at a time. A worker that dies (the OOM killer, a crash in a decoder) is replaced
-    and its input tried once more on the new one; if that one dies too, the input fails alone.
-    A future cancelled before its input reaches a worker costs nothing. `budget` bounds the
-    video frames received ahead of the pipeline (clips.FrameBudget)."""
+    and its input tried once more on the new one (a video only before its header: after it,
+    the video fails alone, its groups so far already packed); if that one dies too, the input
+    fails alone. A future cancelled before its input reaches a worker costs nothing. `budget`
+    bounds the video frames received and not yet staged (clips.FrameBudget)."""
 
     def __init__(self, workers: int) -> None:
         self.budget = FrameBudget()
@@ -220,24 +284,31 @@ class DecodePool:
                 try:
                     result, child = self._decode(child, item, config, future)
                 except Exception as exc:  # a bug, not the input: this input's error; the worker is made anew
-                    future.set_exception(exc)
+                    if not future.done():  # else its video's groups ended with it
+                        future.set_exception(exc)
                     child.close(0)
                     child = _decode_child()
                     continue
-                future.set_result(result)
+                if result is not None:
+                    future.set_result(result)
         finally:
             child.close()
 
-    def _decode(self, child: Child, item: Any, config: Config, future: Future) -> tuple[Prepared, Child]:
-        """One input on `child`, and once more on a new worker if that one dies under it; the
-        result and the worker to go on with."""
+    def _decode(self, child: Child, item: Any, config: Config,
+                future: Future) -> tuple[Prepared | None, Child]:
+        """One input on `child`, and once more on a new worker if that one dies under it before
+        a video's header (after it, the video's groups end with the reason); the result (None: a
+        video's, published at its header) and the worker to go on with."""
         for _ in range(2):
             try:
                 child.conn.send((item, config))
-                return _receive_prepared(child.conn, self.budget, future), child
+                return _receive_prepared(child.conn, item_name(item), config.temporal_patch_size, future.set_result,
+                                         self.budget, future), child
             except (EOFError, OSError):  # the worker died under this input
                 child.close(0)
                 child = _decode_child()
+                if future.done():
+                    return None, child
         return Prepared(None, f"{item_name(item)}: its decode worker process died twice (killed, or out of memory "
                               "while decoding it)"), child
 
@@ -303,24 +374,13 @@ class Decoder:
         finally:
             for future in queue_:
                 future.cancel()
-                future.add_done_callback(self._give_back)  # frames received for nobody: room again
+                future.add_done_callback(_abandon)  # a video's frames received for nobody: room again
 
     def _take(self, future: Future) -> Prepared:
-        """The input the caller now waits for: its frames go ahead of the budget, and give their
-        bytes back once taken."""
+        """The input the caller is now on: its frames go ahead of the budget when it waits for them."""
         if isinstance(self.pool, DecodePool):
             self.pool.budget.head(future)
-        prepared = future.result()
-        self._give_back(future)
-        return prepared
-
-    def _give_back(self, future: Future) -> None:
-        if future.cancelled() or future.exception() is not None or not isinstance(self.pool, DecodePool):
-            return
-        prepared = future.result()
-        if prepared.held:
-            self.pool.budget.give(prepared.held)
-            prepared.held = 0
+        return future.result()
 
     def close(self) -> None:
         if isinstance(self.pool, ThreadPoolExecutor):
@@ -328,6 +388,11 @@ class Decoder:
         elif self.pool is not None:
             self.pool.close()
         self.pool = None
+
+
+def _abandon(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None and future.result().groups is not None:
+        future.result().groups.abandon()
 
 
 def check_collection_settings(geo: GlmVitGeometry, processor: ProcessorConfig, max_pixels: int | None,
@@ -365,20 +430,25 @@ class Packer:
         self.batch: list[Piece] = []  # the open batch
         self.patches = 0
 
-    def add(self, owner: Any, groups: int, per_group: int) -> tuple[list[list[Piece]], int]:
-        """Place an input's groups: (the batches this closed, in order; its pieces, those in the
-        open batch included)."""
-        closed, first, pieces = [], 0, 0
+    def add(self, owner: Any, groups: int, per_group: int, first: int = 0) -> tuple[list[list[Piece]], int]:
+        """Place an input's groups [first, groups) (first > 0: the input's next groups as they
+        come, which continue its piece in the open batch): (the batches this closed, in order;
+        the pieces it added, those in the open batch included)."""
+        closed, pieces = [], 0
         while first < groups:
             fit = min(groups - first, (self.p_max - self.patches) // per_group)
             if fit <= 0 and self.batch:
                 closed.append(self.close())
                 continue
             fit = max(fit, 1)
-            self.batch.append(Piece(owner, first, first + fit))
+            last = self.batch[-1] if self.batch else None
+            if last is not None and last.owner is owner and last.stop == first:
+                self.batch[-1] = Piece(owner, last.first, first + fit)
+            else:
+                self.batch.append(Piece(owner, first, first + fit))
+                pieces += 1
             self.patches += fit * per_group
             first += fit
-            pieces += 1
         return closed, pieces
 
     def close(self) -> list[Piece]:
@@ -405,7 +475,8 @@ def plan_batches(patch_counts: Sequence[int], p_max: int) -> list[range]:
 @dataclasses.dataclass
 class Encoded:
     """One input's outcome, in input order: its rows of each output (in the asked dtype; a
-    video's in time order) and grid, or the reason it failed."""
+    video's in time order; in a stream of parts, those its Parts did not carry) and grid, or
+    the reason it failed."""
 
     item: Any
     arrays: dict[str, np.ndarray] | None
@@ -417,18 +488,30 @@ class Encoded:
     batch: int | None = None  # the stream's forward batch that computed it (0, 1, ...; a video's last)
 
 
+@dataclasses.dataclass
+class Part:
+    """In a stream of parts (encode_prepared(parts=True)): a video's rows of one forward batch,
+    in time order, before its Encoded, which holds the rest, or says it failed (then its Parts
+    are void)."""
+
+    item: Any
+    arrays: dict[str, np.ndarray]
+
 
 @dataclasses.dataclass
 class _Slot:
-    """An input on its way through stream_in_turn: its pieces as the packer placed them, their
-    rows as they are collected, and, once all are in (or it failed), its Encoded."""
+    """An input on its way through encode_prepared: its groups taken and not yet staged, its
+    pieces as the packer placed them, their rows as they are collected, and, once all are in
+    (or it failed), its Encoded."""
 
     item: Any
     prep: Prepared
     grid: tuple[int, int, int] = (0, 0, 0)
+    waiting: deque = dataclasses.field(default_factory=deque)  # groups placed, not yet staged
     pieces: int = 0  # placed by the packer
-    sent: int = 0  # of them submitted
+    placed: bool = False  # all of them
     collected: int = 0
+    tokens: int = 0
     rows: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     error: str | None = None
     result: Encoded | None = None
@@ -437,14 +520,15 @@ class _Slot:
         prep = self.prep
         self.result = Encoded(self.item, None, None, error, prep.nbytes, prep.sha256, prep.video)
 
-    def finish(self, stats: StreamStats, batch: int) -> None:
-        """All its pieces are collected (the last in forward batch `batch`): join their rows, in time order."""
+    def finish(self, stats: StreamStats, batch: int | None) -> None:
+        """All its pieces are collected (the last in forward batch `batch`): join their rows
+        not yet gone as Parts, in time order."""
         if self.error is not None:
             self.fail(self.error)
         else:
             rows = self.rows
             arrays = rows[0] if len(rows) == 1 else {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
-            stats.tokens += len(next(iter(arrays.values())))
+            stats.tokens += self.tokens
             prep = self.prep
             self.result = Encoded(self.item, arrays, np.array(self.grid, dtype=np.int64), None, prep.nbytes,
                                   prep.sha256, prep.video, batch)
@@ -494,7 +578,7 @@ def stream(vit, items: Iterable[Any], **options: Any) -> Iterator[Encoded]:
 def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
                    workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
                    stats: StreamStats | None = None, decoder: Decoder | None = None,
-                   stager: Any = None) -> Iterator[Encoded]:
+                   stager: Any = None, parts: bool = False) -> Iterator[Encoded | Part]:
     """stream, for a caller that holds vit.stream_turn(). `decoder` and `stager`
     (staging.make_stager for this processor and the decoder's video settings) may be kept by
     the caller across streams; by default each stream makes its own, for images only
@@ -506,7 +590,8 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
     try:
         mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
         yield from encode_prepared(vit, zip(mine, decoder.map(theirs, processor)), outputs=outputs, dtype=dtype,
-                                   processor=processor, stats=stats, stager=stager, video=decoder.video)
+                                   processor=processor, stats=stats, stager=stager, video=decoder.video,
+                                   parts=parts)
     finally:
         if own:
             decoder.close()
@@ -515,11 +600,14 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
 def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: Sequence[str] = OUTPUT_NAMES,
                     dtype: str = "float32", processor: ProcessorConfig | None = None,
                     stats: StreamStats | None = None, stager: Any = None,
-                    video: VideoConfig | None = None) -> Iterator[Encoded]:
+                    video: VideoConfig | None = None, parts: bool = False) -> Iterator[Encoded | Part]:
     """The engine's half of a stream: inputs already decoded ((input, its Prepared), in input
     order; a video's with the `video` settings it was decoded with) packed by the Packer into
     forward batches of at most vit.p_max patches, two on the stager at a time, and yielded as
-    Encoded in input order. The Ray actors run it on the canvases of their decode stage."""
+    Encoded in input order. A video's groups are placed as its decode worker sends them (its
+    Prepared's Groups), each let go once staged. `parts`: a video's rows leave as Parts as
+    each batch is collected, not joined (a collection's shards take them so). The Ray actors
+    run it on the canvases of their decode stage."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     check_dtype(dtype)
@@ -535,16 +623,17 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
     in_flight: deque[tuple[Any, list[Piece]]] = deque()
 
     def submit(batch: list[Piece]) -> None:
-        pixels, grid = [], []
+        pixels, grid, staged = [], [], []
         for piece in batch:
             slot = piece.owner
-            frames = slot.prep.canvas
-            pixels.append(frames if slot.prep.video is None else frames[piece.first * temporal:piece.stop * temporal])
+            taken = [slot.waiting.popleft() for _ in range(piece.stop - piece.first)]
+            pixels.append(taken[0] if len(taken) == 1 else np.concatenate(taken))
             grid.append((piece.stop - piece.first, *slot.grid[1:]))
-            slot.sent += 1
-            if slot.sent == slot.pieces:
-                slot.prep.canvas = None  # the batches hold what they still need of it
+            if slot.prep.groups is not None:
+                staged.append((slot.prep.groups, sum(g.nbytes for g in taken)))
         in_flight.append((stager.submit(pixels, np.array(grid, dtype=np.int64), outputs, dtype), batch))
+        for groups, nbytes in staged:  # the stager has copied them
+            groups.staged(nbytes)
 
     def collect() -> None:
         pending, batch = in_flight.popleft()
@@ -560,44 +649,80 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 slot.error = f"{item_name(slot.item)}: the embedding has non-finite values (NaN or Inf)"
             elif slot.error is None:
                 slot.rows.append({name: arr[a:b] for name, arr in arrays.items()})
+                slot.tokens += b - a
             slot.collected += 1
-            if slot.collected == slot.pieces:
+            if slot.placed and slot.collected == slot.pieces:
                 slot.finish(stats, number)
 
-    def place(slot: _Slot) -> None:
-        """Pack the input's groups, submitting each batch that closes (k + 1 uploads while k computes)."""
-        t, h, w = slot.grid
-        closed, slot.pieces = packer.add(slot, t, h * w)
+    def place(slot: _Slot, first: int, groups: int) -> None:
+        """Pack the input's groups [first, groups), submitting each batch that closes (k + 1
+        uploads while k computes)."""
+        _, h, w = slot.grid
+        closed, pieces = packer.add(slot, groups, h * w, first)
+        slot.pieces += pieces
         for batch in closed:
             submit(batch)
             while len(in_flight) >= stager.depth:
                 collect()
 
-    def ready() -> Iterator[Encoded]:
-        while order and order[0].result is not None:
+    def ready() -> Iterator[Encoded | Part]:
+        while order:
+            slot = order[0]
+            if slot.result is None:
+                if parts and slot.rows and slot.error is None:
+                    for rows in slot.rows:
+                        yield Part(slot.item, rows)
+                    slot.rows = []
+                return
             yield order.popleft().result
 
-    for item, prep in prepared:
-        slot = _Slot(item, prep)
-        order.append(slot)
+    def admit(slot: _Slot) -> Iterator[Encoded | Part]:
+        """Place an input's groups (a video's as they come, yielding what is ready meanwhile)."""
+        prep = slot.prep
         if prep.error is not None:
             slot.fail(prep.error)
+            return
+        if prep.video is not None and prep.groups is None:  # decoded whole, in this process
+            prep.groups, prep.canvas = Groups.whole(prep.canvas, temporal), None
+        slot.grid = canvas_grid(prep.canvas.shape if prep.groups is None else prep.groups.shape, processor)
+        _, h, w = slot.grid
+        try:  # an image (a video's group) no forward call holds is its own failure, not the run's
+            check_patch_budget(vit.geometry, h * w, vit.p_max, item_name(slot.item) if prep.video is None else
+                               f"{item_name(slot.item)}: one temporal group")
+        except GlmVitError as exc:
+            slot.fail(str(exc))
+            if prep.groups is not None:
+                prep.groups.abandon()
+            return
+        if prep.groups is None:
+            slot.waiting.append(prep.canvas)
+            prep.canvas = None  # the batch holds it
+            place(slot, 0, 1)
         else:
-            slot.grid = canvas_grid(prep.canvas.shape, processor)
-            _, h, w = slot.grid
-            try:  # an image (a video's group) no forward call holds is its own failure, not the run's
-                check_patch_budget(vit.geometry, h * w, vit.p_max, item_name(item) if prep.video is None else
-                                   f"{item_name(item)}: one temporal group")
-            except GlmVitError as exc:
-                slot.fail(str(exc))
-            else:
-                place(slot)
-        yield from ready()
-    if last := packer.close():
-        submit(last)
-    while in_flight:
-        collect()
-        yield from ready()
+            for i, group in enumerate(prep.groups):
+                slot.waiting.append(group)
+                place(slot, i, i + 1)
+                yield from ready()
+            slot.error = slot.error or prep.groups.error
+        slot.placed = True
+        if slot.collected == slot.pieces:  # none in flight (or none placed: it failed at once)
+            slot.finish(stats, stats.batches - 1 if slot.pieces else None)
+
+    try:
+        for item, prep in prepared:
+            slot = _Slot(item, prep)
+            order.append(slot)
+            yield from admit(slot)
+            yield from ready()
+        if last := packer.close():
+            submit(last)
+        while in_flight:
+            collect()
+            yield from ready()
+    finally:
+        for slot in order:  # the stream stopped early: the frames still coming are for nobody
+            if slot.prep.groups is not None:
+                slot.prep.groups.abandon()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,8 +781,12 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
             progress.start(len(todo))
         try:
             for result in stream(vit, todo, outputs=outputs, dtype=dtype, processor=processor, stats=stats,
-                                 decoder=decoder, stager=stager):
+                                 decoder=decoder, stager=stager, parts=True):
+                if isinstance(result, Part):  # a video's rows go to the shard as they come
+                    writer.add_part(result.arrays)
+                    continue
                 if result.error is not None:
+                    writer.drop_part()  # a video that failed after some of its rows
                     failures.append({**result.item.record(), "kind": result.item.kind, "error": result.error})
                     directory.write_failures(failures)
                     if fail_fast:
@@ -671,7 +800,7 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
                     progress(result, stats)
             writer.finish()
         except KeyboardInterrupt:
-            writer.finish()  # the images already done are kept; the rest is for the next run
+            writer.finish()  # the inputs already done are kept (not a video's rows without its record)
             raise
         except BaseException:
             writer.discard()

@@ -11,10 +11,13 @@
 A shard is written as it fills: its first output streams into a temporary file behind a
 header area sized for the largest numbers a header can hold (safetensors allows trailing
 spaces in the header), further outputs into side files appended at the end, so memory holds
-no more than one image's rows. Then fsync and rename: first the .safetensors, then its
-.jsonl, which is what makes a shard count as done. A run killed at any moment leaves only
-whole shards and hidden `.*.tmp` files; the next run on the directory (holding a lock on it)
-removes those and any .safetensors without its .jsonl, and skips every input already done.
+no more than one image's rows, or one forward batch's of a video: a video's rows come in
+pieces (`add_part`, then `add` with the last and its record), and a video whose record never
+comes (it failed later, or the run stopped) is cut off the files again. Then fsync and
+rename: first the .safetensors, then its .jsonl, which is what makes a shard count as done.
+A run killed at any moment leaves only whole shards and hidden `.*.tmp` files; the next run
+on the directory (holding a lock on it) removes those and any .safetensors without its
+.jsonl, and skips every input already done.
 Each shard's metadata records the settings it was made with, so a resume with other settings
 (model, dtype, outputs, processor) is refused instead of mixing embeddings.
 """
@@ -24,10 +27,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import queue
 import re
 import struct
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -49,6 +52,7 @@ DEFAULT_SHARD_SIZE = 100  # images a shard: a shard is what a run killed mid-way
 # (made before videos were taken, or by a run that takes none, such as Ray's): it agrees with any.
 SETTINGS = ("format", "tower", "outputs", "dtype", "processor", "video_processor")
 _ONLY_WITH_VIDEOS = ("video_processor",)
+WRITE_QUEUE_BYTES = 512 * 2**20  # rows waiting for the disk: 64 photos' bf16 poolers, or 8 forward batches of a video
 _MAX_INT = 10 ** 20 - 1  # more digits than any int64 a header holds
 
 
@@ -85,7 +89,8 @@ class _OpenShard:
                 f.seek(8 + reserve)
             self.files[name] = (f, path)
         self.records: list[dict] = []
-        self.rows = 0
+        self.rows = 0  # of its records
+        self.pending = 0  # rows of a video written after them, its record yet to come
 
     def remove(self) -> None:
         for f, path in self.files.values():
@@ -111,13 +116,48 @@ class ShardWriter:
         self._sealing: list[Future] = []
 
     def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
-        """One image: its metadata line (source fields) and its rows of each output."""
+        """One input: its metadata line (source fields) and its rows of each output (a video's
+        after those of its add_part calls)."""
         try:
-            self._add(record, arrays, grid_thw)
+            rows = self._write(arrays, str(record.get("path")))
+            shard = self.shard
+            rows += shard.pending
+            shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
+                                  "rows": [shard.rows, shard.rows + rows]})
+            shard.rows += rows
+            shard.pending = 0
+            if len(shard.records) >= self.shard_size:
+                self.finish()
         except OSError as exc:
             raise _write_error(self.directory, exc) from None
 
-    def _add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
+    def add_part(self, arrays: dict[str, np.ndarray]) -> None:
+        """Rows of a video whose record comes later (add), or never (drop_part)."""
+        try:
+            rows = self._write(arrays, "a video's part")  # opens the shard if none is
+            self.shard.pending += rows
+        except OSError as exc:
+            raise _write_error(self.directory, exc) from None
+
+    def drop_part(self) -> None:
+        """Cut the rows of add_part calls whose record did not come off the shard's files."""
+        shard = self.shard
+        if shard is None or not shard.pending:
+            return
+        row_bytes = self.width * np.dtype(DTYPES[self.dtype][0]).itemsize
+        try:
+            for i, name in enumerate(self.outputs):
+                f = shard.files[name][0]
+                end = (8 + self.reserve if i == 0 else 0) + shard.rows * row_bytes
+                f.flush()
+                f.truncate(end)
+                f.seek(end)
+        except OSError as exc:
+            raise _write_error(self.directory, exc) from None
+        shard.pending = 0
+
+    def _write(self, arrays: dict[str, np.ndarray], what: str) -> int:
+        """Append rows of each output to the open shard (opened here if none is); their count."""
         if self.shard is None:
             self.shard = _OpenShard(self.directory, self.next_index, self.outputs, self.reserve)
             self.next_index += 1
@@ -126,25 +166,25 @@ class ShardWriter:
         for name in self.outputs:
             data = np.ascontiguousarray(arrays[name], dtype=DTYPES[self.dtype][0])
             if data.shape != (rows, self.width):
-                raise GlmVitError(f"{name} of {record.get('path')} has shape {list(data.shape)}, "
-                                  f"expected [{rows}, {self.width}]")
+                raise GlmVitError(f"{name} of {what} has shape {list(data.shape)}, expected [{rows}, {self.width}]")
             f = shard.files[name][0]
             start = f.tell()
             f.write(data.data)
             if name == self.outputs[0] and hasattr(os, "posix_fadvise"):  # start its writeback now,
                 f.flush()                                                    # so that sealing has little left
                 os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
-        shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
-                              "rows": [shard.rows, shard.rows + rows]})
-        shard.rows += rows
-        if len(shard.records) >= self.shard_size:
-            self.finish()
+        return rows
 
     def finish(self) -> None:
-        """Hand the shard in flight (if it holds any image) to the sealer: header, fsync, rename,
-        metadata. An error of an earlier seal is raised here."""
+        """Hand the shard in flight (if it holds any input) to the sealer: header, fsync, rename,
+        metadata; a video's rows without their record are cut off first. An error of an
+        earlier seal is raised here."""
+        self.drop_part()
         shard, self.shard = self.shard, None
-        if shard is not None:
+        if shard is not None and not shard.records:  # it held only such rows: no shard, nor its number
+            shard.remove()
+            self.next_index -= 1
+        elif shard is not None:
             self._sealing.append(self._sealer.submit(self._seal_or_remove, shard))
         self._reap(wait=False)
 
@@ -207,22 +247,46 @@ class ShardWriter:
 
 class BackgroundWriter:
     """A ShardWriter on its own thread, so that disk writes and fsyncs (a shard of photos is
-    ~1 GB) never hold up the thread feeding the engine. The queue holds at most `depth` images;
-    an error in the thread comes back on the next call."""
+    ~1 GB) never hold up the thread feeding the engine. Its queue is bounded in bytes, not calls:
+    a call is an image's rows or a video's of one forward batch (up to p_max / 4 rows), so a
+    bound in calls let a disk slower than the engine queue gigabytes of a long video's rows.
+    A call larger than the bound still goes in alone. An error in the thread comes back on the
+    next call."""
 
-    def __init__(self, writer: ShardWriter, depth: int = 64) -> None:
+    def __init__(self, writer: ShardWriter, max_bytes: int = WRITE_QUEUE_BYTES) -> None:
         self.writer, self.error = writer, None
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.max_bytes, self.queued_bytes, self.peak_bytes = max_bytes, 0, 0
+        self.jobs: deque[tuple[int, tuple | None]] = deque()
+        self.changed = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="glmvit-cupy shard writer", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while (job := self.queue.get()) is not None:
+        while True:
+            with self.changed:
+                while not self.jobs:
+                    self.changed.wait()
+                size, job = self.jobs[0]
+            if job is None:
+                return
             if self.error is None:
                 try:
-                    self.writer.add(*job)
+                    job[0](*job[1:])
                 except BaseException as exc:  # kept for the feeding thread, which raises it
                     self.error = exc
+            with self.changed:  # the rows stay queued (and counted) until written
+                self.jobs.popleft()
+                self.queued_bytes -= size
+                self.changed.notify_all()
+
+    def _put(self, size: int, job: tuple | None) -> None:
+        with self.changed:
+            while self.jobs and self.queued_bytes + size > self.max_bytes:
+                self.changed.wait()
+            self.jobs.append((size, job))
+            self.queued_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.queued_bytes)
+            self.changed.notify_all()
 
     def _check(self) -> None:
         if self.error is not None:
@@ -230,10 +294,18 @@ class BackgroundWriter:
 
     def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
         self._check()
-        self.queue.put((record, arrays, grid_thw))
+        self._put(sum(a.nbytes for a in arrays.values()), (self.writer.add, record, arrays, grid_thw))
+
+    def add_part(self, arrays: dict[str, np.ndarray]) -> None:
+        self._check()
+        self._put(sum(a.nbytes for a in arrays.values()), (self.writer.add_part, arrays))
+
+    def drop_part(self) -> None:
+        self._check()
+        self._put(0, (self.writer.drop_part,))
 
     def _drain(self) -> None:
-        self.queue.put(None)
+        self._put(0, None)
         self.thread.join()
 
     def finish(self) -> None:

@@ -1,138 +1,93 @@
-"""`glmvit-cupy serve`: the HTTP embedding server (the optional [serve] extra: Starlette, uvicorn,
-prometheus-client; imported by nothing else in the package).
+"""`glmvit-cupy serve`: the HTTP embedding server's engine process (the optional [serve] extra: Starlette,
+uvicorn, prometheus-client; imported by nothing else in the package).
 
-    POST /v1/embeddings   OpenAI-shaped JSON: images as data:image/...;base64, URLs in, embeddings out
-    POST /embed           an image file's bytes in, a safetensors file (or .npy) out
-    GET  /health          200 once a warm-up encode has run; 503 while starting, draining or broken
-    GET  /info            model, fingerprint, geometry, processor settings, limits
-    GET  /metrics         Prometheus text
+The process the command runs holds what must be one: the GlmVit engines (one batcher each,
+`GlmVit.batcher`), the encoder cache with its single flight (encoder_cache.py), the GPU's base64,
+the warm-up and the engine's metrics; and it binds the one listener. The HTTP is --http-workers
+front processes' (front.py: the routes, and all of a request's Python), started here with
+workers.Child (they die with this process), each handed the listener and a memfd of slots over
+its socket pair (handoff.py). Per image a front asks `lookup`: a cached result is written into the
+front's slot at once; otherwise the cache's single flight asks one requester of the key to
+`decode` the image into its slot's canvas (another one if it leaves first) and hands the canvas
+to the batcher of the engine with the fewest images outstanding; the result is written into every
+requester's slot. This process runs no HTTP: its GIL is the engines' launches' and the batchers'.
 
-A thin layer over the library's batcher (one per engine, `GlmVit.batcher`): requests from every
-connection are decoded on its workers and packed into shared forward calls; results go through the
-encoder cache (encoder_cache.py). Every failure is one status and one line (`HttpError`), and one bad
-request fails alone. At most 2 x --max-queue requests per engine are held, arrival to response sent;
-past it 429 at once (`Service.admit`). A client that disconnects has its queued work cancelled. The
-first SIGTERM or SIGINT drains: /health and new work answer 503 while the accepted requests finish,
-then uvicorn shuts down and the process exits 0 (`DrainingServer`).
+The first SIGTERM or SIGINT drains: the fronts answer 503 to /health and new work while the
+requests they hold finish, then exit, and so does this process (status 0); a second signal exits
+at once. A front that dies is replaced (`FRONT_DEATHS` within `FRONT_DEATHS_S`: the server fails).
+An engine that cannot serve (the warm-up, a GPU fault) fails the server: /health says why, the
+requests held are answered, and the process exits 1 for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
 import dataclasses
-import io
-import json
 import logging
 import math
-import re
+import os
+import shutil
+import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
-import urllib.parse
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
-import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..collection.pipeline import DEFAULT_OUTPUT, DEFAULT_WORKERS, OUTPUTS
-from ..collection.staging import DEFAULT_DTYPE, DTYPES
+from ..collection.pipeline import OUTPUTS, prepare
+from ..collection.staging import DTYPES
 from ..errors import GlmVitError, InputError, Overloaded, RequestTimeout
-from ..processor.preprocess import EncodedImage
+from ..processor.preprocess import image_input
 from ..tower.synthetic import photo_like
-from ..tower.writer import flat_bytes, safetensors_chunks
-from .encoder_cache import HIT, EncoderCache, image_digest
+from ..workers import Child
+from .encoder_cache import EncoderCache
+from .front import TIME_BUCKETS, FrontSettings, Limits
+from .front import main as front_main
+from .handoff import SlotLayout, board_bytes, log_through_thread, mapped, memfd, receive, send, write_arrays
 
 log = logging.getLogger(__name__)
 
 WARMUP_SIDE = 448  # pixels of the warm-up photograph's sides, unless the budget (--max-pixels) is smaller
-WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long: the first also waits for the workers
-B64_SLICE = 3 * 2**18  # bytes of an embedding base64-encoded at a time (host base64): 1 MiB of base64
-CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
-SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
-MEDIA_SAFETENSORS, MEDIA_NPY = "application/octet-stream", "application/x-npy"
-_DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w.+-]+=[^;,]*)*;base64,(.*)", re.S)
-_EMBEDDINGS_FIELDS = {"input", "model", "encoding_format", "output", "dtype"}
-_TIME_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60)
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What the server admits; the batcher's options are passed to `GlmVit.batcher` as they are."""
-
-    max_queue: int
-    max_wait_ms: float
-    timeout_s: float
-    payload_limit: int  # bytes of a request body (and of a file read through allow_files)
-    cache_bytes: int
-    allow_files: Path | None  # the directory path inputs must lie under; None: no paths
-
-
-class HttpError(Exception):
-    """A request's failure: its status and one line for the client."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its response."""
-
-
-@dataclasses.dataclass
-class _Timing:
-    """A response's timing headers, seconds: its images' slowest queue, decode and inference."""
-
-    queue_s: float = 0.0
-    decode_s: float = 0.0
-    inference_s: float = 0.0
-
-    def add(self, timing: Any) -> None:
-        self.queue_s = max(self.queue_s, timing.queue_s)
-        self.decode_s = max(self.decode_s, timing.decode_s)
-        self.inference_s = max(self.inference_s, timing.inference_s)
-
-
-@dataclasses.dataclass
-class _Encoded:
-    output: Any  # GlmVitOutput
-    cache: str  # HIT, MISS or SHARED
+WARMUP_S = 120.0  # a warm-up past --timeout is tried again for this long
+METRICS_PREFIX = "glmvit-serve-metrics-"  # + the server's pid: the fronts' metrics directory in the temp dir
+FRONT_DEATHS, FRONT_DEATHS_S = 5, 60.0  # fronts dying this often fail the server: a restart loop helps nobody
+# The server process's GIL switch interval (Python's default: 5 ms). A thread that releases the GIL
+# for a moment (each CUDA launch and cuBLAS call of the engine's dispatcher, a socket read) waits
+# up to one interval to take it back whenever another thread is running Python: at 5 ms a forward's
+# hundreds of launches stretch the engine's work (the convoy; benchmarks/NOTES.md, serve-scale).
+SWITCH_INTERVAL_S = 0.00025
+# A connection's kernel send buffer (Linux doubles it; accepted connections take the listener's). uvloop
+# writes a response's first part from the event loop holding the GIL: as much as the buffer takes, up
+# to 4 MB under the kernel's autotuning (~0.5-0.7 ms a 9 MB answer); the rest goes out from libuv's
+# loop without the GIL. 512 KiB: ~0.1 ms, loopback as fast, and 1 GB/s a connection at a 1 ms round trip.
+SEND_BUFFER_BYTES = 2**19
 
 
 class Metrics:
-    """The Prometheus metrics of one app (its own registry, so several apps never collide)."""
+    """The engine's Prometheus metrics (the fronts count the requests; front.py): a front's /metrics
+    appends this registry's text to theirs."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("glmvit_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=r)
-        self.request_seconds = Histogram("glmvit_request_duration_seconds", "Whole HTTP request, body read to "
-                                         "response built", ["route"], buckets=_TIME_BUCKETS, registry=r)
         self.queue_seconds = Histogram("glmvit_queue_duration_seconds", "An image computed: submit to its batch "
-                                       "reaching the engine (decode included)", buckets=_TIME_BUCKETS, registry=r)
+                                       "reaching the engine", buckets=TIME_BUCKETS, registry=r)
         self.decode_seconds = Histogram("glmvit_decode_duration_seconds", "An image computed: its decode and resize",
-                                        buckets=_TIME_BUCKETS, registry=r)
+                                        buckets=TIME_BUCKETS, registry=r)
         self.inference_seconds = Histogram("glmvit_inference_duration_seconds", "An image computed: its batch's "
-                                           "forward and transfers", buckets=_TIME_BUCKETS, registry=r)
+                                           "forward and transfers", buckets=TIME_BUCKETS, registry=r)
         self.batch_images = Histogram("glmvit_batch_images", "Images of a forward batch",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.batch_tokens = Histogram("glmvit_batch_tokens", "Merged tokens of a forward batch",
                                       buckets=tuple(2 ** k for k in range(4, 16)), registry=r)
-        r.register(_StateCollector(service))
+        r.register(_StateCollector(engine))
 
     def on_batch(self, images: int, tokens: int, inference_s: float) -> None:
         """The batchers' per-batch callback (from an engine thread: prometheus-client is thread-safe)."""
@@ -148,11 +103,11 @@ class Metrics:
 class _StateCollector:
     """Read at each scrape: the batchers' stats (one `engine` label each), the cache and the model."""
 
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def collect(self):
-        s = self.service
+        s = self.engine
         gauges = {"queue_size": "Requests waiting or decoding", "batches_in_flight": "Batches on the engine",
                   "engine_busy_ratio": "Engine (GPU) busy fraction since start"}
         counters = {"engine_requests": "Requests submitted to the engine", "engine_batches": "Forward batches",
@@ -181,6 +136,7 @@ class _StateCollector:
         yield GaugeMetricFamily("glmvit_cache_entries", "Cached results", value=s.cache.entries)
         yield CounterMetricFamily("glmvit_cache_evictions", "Results evicted (LRU)", value=s.cache.evictions)
         yield GaugeMetricFamily("glmvit_ready", "1 once warmed up and not draining", value=float(s.status() == "ok"))
+        yield GaugeMetricFamily("glmvit_http_fronts", "HTTP front processes running", value=s.fronts_alive())
         info = InfoMetricFamily("glmvit_engine", "The model served")
         vit = s.vits[0]
         info.add_metric([], {"model": s.model, "backend": vit.backend, "fingerprint": vit.fingerprint,
@@ -188,23 +144,72 @@ class _StateCollector:
         yield info
 
 
-class Service:
-    """The server's state and routes over `vits` (one engine each, one batcher each)."""
+@dataclasses.dataclass(eq=False)
+class _Requester:
+    """A front's lookup of a key, in flight. `canvas`: set when the flight asked it to decode (its
+    message, or None: it left first); `released`: set once the batcher no longer reads its slot."""
 
-    def __init__(self, vits: Sequence[Any], model: str, directory: Path, limits: Limits) -> None:
-        self.vits, self.model, self.directory, self.limits = list(vits), model, directory, limits
-        self.cache = EncoderCache(limits.cache_bytes, self.vits[0].fingerprint, self.vits[0].processor)
+    link: _FrontLink
+    id: int
+    slot: int
+    canvas: asyncio.Future | None = None
+    released: asyncio.Future | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _FrontLink:
+    """The engine's end of one front: its process, its slots, its lookups in flight."""
+
+    index: int
+    child: Child
+    memory: Any  # the memfd's bytes (uint8)
+    writer: asyncio.StreamWriter
+    tasks: dict[int, asyncio.Task] = dataclasses.field(default_factory=dict)
+    requesters: dict[int, _Requester] = dataclasses.field(default_factory=dict)
+    held: int | None = None  # the requests it held when told to drain
+    closed: bool = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self.closed:
+            send(self.writer, message)
+
+
+class Engine:
+    """The engine process's state: `vits` (one engine each, one batcher each), the cache, the fronts."""
+
+    def __init__(self, vits: Sequence[Any], model: str, directory: Path, limits: Limits, http_workers: int,
+                 sock: socket.socket, metrics_dir: str) -> None:
+        self.vits, self.model, self.limits, self.sock = list(vits), model, limits, sock
+        self.http_workers, self.metrics_dir = http_workers, metrics_dir
+        vit = self.vits[0]
+        self.cache = EncoderCache(limits.cache_bytes, vit.fingerprint, vit.processor)
         self.metrics = Metrics(self)
         self.batchers: list[Any] = []
         self.outstanding = [0] * len(self.vits)  # images submitted to each engine's batcher, not yet answered
         self.ready = self.draining = False
         self.failure: str | None = None  # why the engine cannot serve: the server exits (status 1)
         self.max_requests = 2 * limits.max_queue * len(self.vits)  # a queue's worth waiting, as many again answered
-        self.active = 0  # work requests held, arrival to response sent: the drain waits for them, 429 past max_requests
+        self.layout = SlotLayout.of(vit.processor, vit.geometry, math.ceil(self.max_requests / http_workers))
+        self.requesters: dict[str, list[_Requester]] = {}  # by cache key: who could decode its image
+        self.links: list[_FrontLink | None] = [None] * http_workers
+        self.board = memfd(board_bytes(http_workers))  # the fronts' (front.py), passed to each
+        self.connections = mapped(self.board, board_bytes(http_workers)).view(np.int64)
+        self.deaths: list[float] = []
+        self.done = asyncio.Event()
+        self.info = {
+            "model": model, "directory": str(directory), "version": __version__, "backend": vit.backend,
+            "engines": len(self.vits), "fingerprint": vit.fingerprint,
+            "geometry": dataclasses.asdict(vit.geometry), "processor": dataclasses.asdict(vit.processor),
+            "outputs": list(OUTPUTS), "dtypes": list(DTYPES),
+            "limits": {"max_queue": limits.max_queue, "max_requests": self.max_requests,
+                       "max_wait_ms": limits.max_wait_ms, "timeout_s": limits.timeout_s,
+                       "payload_limit": limits.payload_limit, "cache_bytes": limits.cache_bytes,
+                       "allow_files": None if limits.allow_files is None else str(limits.allow_files),
+                       "p_max": vit.p_max, "http_workers": http_workers}}
         self.base64: Any = None  # on a GPU, base64 answers are encoded there (device_base64.py)
-        if self.vits[0].backend == "cupy":
+        if vit.backend == "cupy":
             from ..gpu.device_base64 import DeviceBase64
-            self.base64 = DeviceBase64(self.vits[0].tower.current)
+            self.base64 = DeviceBase64(vit.tower.current)
 
     def status(self) -> str:
         if self.failure is not None:
@@ -213,14 +218,34 @@ class Service:
             return "draining"
         return "ok" if self.ready else "starting"
 
+    def fronts_alive(self) -> int:
+        return sum(link is not None for link in self.links)
+
+    def _tell_fronts(self) -> None:
+        for link in self.links:
+            if link is not None:
+                link.send({"op": "status", "status": self.status()})
+
     # -- life -------------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        workers = max(1, DEFAULT_WORKERS // len(self.vits))  # the host's decode cores, shared by the engines
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._signalled)
+        # No decode workers: the fronts decode.
         self.batchers = [vit.batcher(max_wait_ms=self.limits.max_wait_ms, max_queue=self.limits.max_queue,
-                                     timeout_s=self.limits.timeout_s, workers=workers, on_batch=self.metrics.on_batch)
+                                     timeout_s=self.limits.timeout_s, on_batch=self.metrics.on_batch)
                          for vit in self.vits]
-        self._warmup = asyncio.ensure_future(self._warm_up())
+        warmup = asyncio.ensure_future(self._warm_up())
+        for index in range(self.http_workers):
+            await self._start_front(index)
+        await self.done.wait()
+        warmup.cancel()
+        for link in self.links:  # a second signal: the fronts go at once
+            if link is not None:
+                link.child.kill()
+        await asyncio.gather(*(asyncio.to_thread(b.close) for b in self.batchers))
+        return 1 if self.failure is not None else 0
 
     async def _warm_up(self) -> None:
         """One encode on every engine before /health says 200 (a GPU engine's first call of a grid
@@ -228,12 +253,13 @@ class Service:
         t0 = time.perf_counter()
         config = self.vits[0].processor  # the largest square up to WARMUP_SIDE within one forward call's budget
         side = min(WARMUP_SIDE, config.patch_size * config.merge_size * (math.isqrt(self.vits[0].p_max) // config.merge_size))
-        image = photo_like(side, side)
+        prep = await asyncio.to_thread(prepare, image_input(photo_like(side, side), "the warm-up image"), config)
         while True:
             try:
-                await asyncio.gather(*(b.aencode(image) for b in self.batchers))
+                await asyncio.gather(*(asyncio.wrap_future(b.submit_canvas(prep.canvas, "the warm-up image",
+                                                                           prep.decode_s)) for b in self.batchers))
                 break
-            except RequestTimeout as exc:  # the first encode also waits for the decode workers to start
+            except RequestTimeout as exc:
                 if time.perf_counter() - t0 > WARMUP_S:
                     self.fail(f"the warm-up encode did not succeed within {WARMUP_S:g} s: {exc}")
                     return
@@ -244,6 +270,7 @@ class Service:
                 self.fail(f"the warm-up encode failed: {exc}")
                 return
         self.ready = True
+        self._tell_fronts()
         log.info("glmvit-cupy: ready (warm-up encode on %d engine(s) in %.1f s)", len(self.batchers),
                  time.perf_counter() - t0)
 
@@ -252,438 +279,242 @@ class Service:
         if self.failure is None:
             self.failure = reason
             log.error("glmvit-cupy: error: %s; exiting", reason)
+            self._tell_fronts()
+            self._stop_if_idle()
 
-    async def stop(self) -> None:
-        """Close the batchers (each finishes its queued and in-flight work) from a thread."""
-        self._warmup.cancel()
-        await asyncio.gather(*(asyncio.to_thread(b.close) for b in self.batchers))
+    def _signalled(self) -> None:
+        if self.draining:  # the second signal
+            self.done.set()
+            return
+        self.draining = True
+        self._tell_fronts()
+        self._stop_if_idle()
 
-    # -- routes -----------------------------------------------------------------------------------
+    def _stop_if_idle(self) -> None:
+        """Once draining or failed, no front is started again, and the process ends when its last front
+        has. The listener is the fronts' alone from then: once the last has stopped accepting, a new
+        connection is refused, not left in a backlog nobody reads."""
+        if self.draining or self.failure is not None:
+            self.sock.close()
+            if self.fronts_alive() == 0:
+                self.done.set()
 
-    async def embeddings(self, request: Request, timing: _Timing) -> Response:
-        body = await _read_body(request, self.limits.payload_limit)
-        inputs, output, dtype, encoding = _parse_embeddings(body, self.model)
-        images = await asyncio.gather(*(self._input_bytes(i, item) for i, item in enumerate(inputs)))
-        encoded = await _unless_disconnected(request, self._encode_all(images, output, dtype, timing))
-        # Off the event loop: a real tower's image is megabytes of embedding to encode
-        parts = await asyncio.to_thread(_embeddings_parts, [e.output for e in encoded], output, encoding, self.model,
-                                        self.base64)
-        return _PartsResponse(parts, {"x-cache": ",".join(e.cache for e in encoded)})
+    # -- the fronts -------------------------------------------------------------------------------
 
-    async def embed(self, request: Request, timing: _Timing) -> Response:
-        output = request.query_params.get("output", DEFAULT_OUTPUT)
-        dtype = request.query_params.get("dtype", DEFAULT_DTYPE)
-        _check_choice("output", output, OUTPUTS)
-        _check_choice("dtype", dtype, DTYPES)
-        media = _media_type(request.headers.get("accept"))
-        if media == MEDIA_NPY and (output == "both" or dtype == "bfloat16"):
-            raise HttpError(400, "a .npy holds one array in a NumPy dtype: ask for output pooler or last_hidden "
-                                 "in float32 or float16, or for safetensors (Accept: application/octet-stream)")
-        body = await _read_body(request, self.limits.payload_limit)
-        if not body:
-            raise HttpError(400, "empty body: send the image file's bytes")
-        (one,) = await _unless_disconnected(request, self._encode_all([("body", body)], output, dtype, timing))
-        arrays = _arrays(one.output, output)
-        headers = {"x-cache": one.cache}
-        if media == MEDIA_NPY:
-            return Response(_npy(next(iter(arrays.values()))), media_type=MEDIA_NPY, headers=headers)
-        tensors = {**arrays, "grid_thw": one.output.grid_thw}
-        specs = [(name, SAFETENSORS_DTYPES[a.dtype.name], list(a.shape)) for name, a in tensors.items()]
-        data = (flat_bytes(a).data for a in tensors.values())
-        return _PartsResponse(list(safetensors_chunks(specs, data, "/embed")), headers, MEDIA_SAFETENSORS)
+    async def _start_front(self, index: int) -> None:
+        if self.draining or self.failure is not None:  # the listener is closed: the fronts only go now
+            return
+        settings = FrontSettings(index, self.model, self.info, self.limits, self.layout.slots, self.http_workers,
+                                 self.layout, self.vits[0].processor)
+        child = Child(front_main, (settings,), f"glmvit-cupy HTTP front {index}",
+                      env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir})
+        channel = socket.socket(fileno=os.dup(child.conn.fileno()))
+        child.conn.close()
+        fd = memfd(self.layout.size)
+        try:
+            socket.send_fds(channel, [b"f"], [self.sock.fileno(), fd, self.board])
+            memory = mapped(fd, self.layout.size)
+        finally:
+            os.close(fd)
+        reader, writer = await asyncio.open_connection(sock=channel)
+        link = self.links[index] = _FrontLink(index, child, memory, writer)
+        link.send({"op": "status", "status": self.status()})
+        asyncio.ensure_future(self._serve_front(link, reader))
+        log.info("glmvit-cupy: HTTP front %d started (pid %d)", index, child.pid)
 
-    async def health(self, request: Request, timing: _Timing) -> Response:
-        status = self.status()
-        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
-
-    async def info(self, request: Request, timing: _Timing) -> Response:
-        vit, limits = self.vits[0], self.limits
-        return JSONResponse({
-            "model": self.model, "directory": str(self.directory), "version": __version__, "backend": vit.backend,
-            "engines": len(self.vits), "fingerprint": vit.fingerprint,
-            "geometry": dataclasses.asdict(vit.geometry), "processor": dataclasses.asdict(vit.processor),
-            "outputs": list(OUTPUTS), "dtypes": list(DTYPES),
-            "limits": {"max_queue": limits.max_queue, "max_requests": self.max_requests,
-                       "max_wait_ms": limits.max_wait_ms, "timeout_s": limits.timeout_s,
-                       "payload_limit": limits.payload_limit, "cache_bytes": limits.cache_bytes,
-                       "allow_files": None if limits.allow_files is None else str(limits.allow_files),
-                       "p_max": vit.p_max}})
-
-    async def prometheus(self, request: Request, timing: _Timing) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def _serve_front(self, link: _FrontLink, reader: asyncio.StreamReader) -> None:
+        """One front's messages until it closes its end (it exited or died)."""
+        while True:
+            try:
+                message = await receive(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            op, key = message["op"], message.get("id")
+            if op == "lookup":
+                task = link.tasks[key] = asyncio.ensure_future(self._lookup(link, message))
+                task.add_done_callback(lambda _, key=key: link.tasks.pop(key, None))
+            elif op == "canvas":
+                requester = link.requesters.get(key)
+                if requester is not None and requester.canvas is not None and not requester.canvas.done():
+                    requester.canvas.set_result(message)
+            elif op == "cancel":
+                if key in link.tasks:
+                    link.tasks[key].cancel()
+            elif op == "metrics":
+                link.send({"op": "metrics", "id": key, "text": generate_latest(self.metrics.registry).decode()})
+            elif op == "held":
+                link.held = message["active"]
+                alive = [other for other in self.links if other is not None]
+                if all(other.held is not None for other in alive):
+                    log.info("glmvit-cupy: draining: %d request(s) to finish, then exit",
+                             sum(other.held for other in alive))
+        link.closed = True
+        for task in list(link.tasks.values()):
+            task.cancel()
+        await asyncio.to_thread(link.child.join, 5.0)
+        self.links[link.index] = None
+        if self.draining or self.failure is not None:
+            self._stop_if_idle()
+            return
+        code = link.child.exitcode
+        how = "still running" if code is None else f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        now = time.monotonic()
+        self.deaths = [t for t in self.deaths if now - t < FRONT_DEATHS_S] + [now]
+        if len(self.deaths) >= FRONT_DEATHS:
+            self.fail(f"the HTTP fronts keep dying: {FRONT_DEATHS} deaths within {FRONT_DEATHS_S:g} s (front "
+                      f"{link.index}, pid {link.child.pid}: {how})")
+            return
+        log.error("glmvit-cupy: HTTP front %d (pid %d) died (%s); starting another", link.index, link.child.pid, how)
+        self.connections[link.index] = np.iinfo(np.int64).max  # no front waits for it to accept
+        link.child.kill()
+        await self._start_front(link.index)
 
     # -- the work ---------------------------------------------------------------------------------
 
-    async def _input_bytes(self, index: int, item: str) -> tuple[str, bytes]:
-        """(its name in messages, the image file's bytes) of one /v1/embeddings input."""
-        where = f"input {index}"
-        found = _DATA_URL.fullmatch(item)
-        if found is not None:
+    async def _lookup(self, link: _FrontLink, message: dict[str, Any]) -> None:
+        """One image of a front's request: its result (stored, shared or computed) written into the
+        front's slot, or its failure, in the reply."""
+        output, dtype = message["output"], message["dtype"]
+        key = self.cache.key(message["digest"], output, dtype)
+        me = link.requesters[message["id"]] = _Requester(link, message["id"], message["slot"])
+        self.requesters.setdefault(key, []).append(me)
+        reply: dict[str, Any] = {"op": "error", "id": me.id}
+        try:
             try:
-                return where, base64.b64decode(found.group(1), validate=True)
-            except ValueError as exc:  # binascii.Error, or a character outside ASCII
-                raise HttpError(400, f"{where}: the data URL's base64 does not decode: {exc}") from None
-        if item.startswith("data:"):
-            raise HttpError(400, f"{where}: a data URL must read data:image/<type>;base64,<bytes>")
-        return where, await self._file_bytes(where, item)
-
-    async def _file_bytes(self, where: str, item: str) -> bytes:
-        """A path (or file:// URL) under --allow-files: no client reads the rest of the server's disk."""
-        scheme = urllib.parse.urlsplit(item).scheme
-        if scheme not in ("", "file"):
-            raise HttpError(400, f"{where}: the server fetches no {scheme}:// URLs: send the image as a "
-                                 "data:image/...;base64, URL")
-        root = self.limits.allow_files
-        if root is None:
-            raise HttpError(403, f"{where}: the server reads no files (start it with --allow-files DIR to allow "
-                                 "paths under DIR): send the image as a data:image/...;base64, URL")
-        path = (root / urllib.parse.unquote(urllib.parse.urlsplit(item).path if scheme else item)).resolve()
-        if not path.is_relative_to(root):
-            raise HttpError(403, f"{where}: {item} lies outside --allow-files {root}")
-        try:
-            size = path.stat().st_size
-            if size > self.limits.payload_limit:
-                raise HttpError(413, f"{where}: {item} holds {size:,} bytes, over the payload limit of "
-                                     f"{self.limits.payload_limit:,}")
-            return await asyncio.to_thread(path.read_bytes)
-        except OSError as exc:
-            raise HttpError(422, f"{where}: {item}: cannot read: {exc.strerror or exc}") from None
-
-    async def _encode_all(self, images: list[tuple[str, bytes]], output: str, dtype: str,
-                          timing: _Timing) -> list[_Encoded]:
-        """Every image of a request at once; the first failure fails the request and cancels the rest."""
-        tasks = [asyncio.ensure_future(self._encode_one(where, data, output, dtype)) for where, data in images]
-        try:
-            encoded = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-        for one in encoded:
-            if one.cache != HIT:  # a hit did no queue, decode or forward
-                timing.add(one.output.timing)
-        return encoded
-
-    async def _encode_one(self, where: str, data: bytes, output: str, dtype: str) -> _Encoded:
-        key = self.cache.key(image_digest(data), output, dtype)
-        try:
-            result, outcome = await self.cache.get(key, lambda: self._compute(data, output, dtype))
+                result, outcome = await self.cache.get(key, lambda: self._compute(key, output, dtype))
+            finally:
+                self._leave(key, me)
+                if me.released is not None:  # the batcher may still read the canvas in its slot
+                    await asyncio.shield(me.released)
+            area = self.layout.answer(link.memory, me.slot)
+            arrays = {name: getattr(result, name) for name in OUTPUTS[output]}
+            encode = self.base64.encode if self.base64 is not None and message["base64"] else None
+            specs = await asyncio.to_thread(write_arrays, area, arrays, encode)
+            timing = result.timing
+            reply = {"op": "answer", "id": me.id, "cache": outcome, "arrays": specs,
+                     "grid_thw": result.grid_thw[0].tolist(),
+                     "timing": [timing.queue_s, timing.decode_s, timing.inference_s]}
+        except asyncio.CancelledError:
+            reply |= {"kind": "gone", "message": "cancelled"}  # the slot is the front's again
+            raise
         except Overloaded as exc:
-            raise HttpError(429, f"overloaded: {exc}") from None
+            reply |= {"kind": "overloaded", "message": f"overloaded: {exc}"}
         except RequestTimeout as exc:
-            raise HttpError(504, f"{where}: {exc}") from None
+            reply |= {"kind": "timeout", "message": str(exc)}
         except InputError as exc:
-            raise HttpError(422, f"{where}: {exc}") from None
+            reply |= {"kind": "input", "message": str(exc)}
         except GlmVitError as exc:  # the engine's own failure (a GPU fault): the process must be restarted
             self.fail(f"the engine failed: {exc}")
-            raise HttpError(500, f"{where}: the engine failed: {exc}") from None
-        return _Encoded(result, outcome)
+            reply |= {"kind": "engine", "message": f"the engine failed: {exc}"}
+        except Exception as exc:
+            log.error("glmvit-cupy: internal error on a lookup\n%s", traceback.format_exc().rstrip())
+            line = str(exc).splitlines()[0] if str(exc) else ""
+            reply |= {"kind": "internal", "message": f"internal error ({type(exc).__name__}: {line})"}
+        finally:
+            link.send(reply)
 
-    async def _compute(self, data: bytes, output: str, dtype: str) -> Any:
-        """One image through the batcher of the engine with the fewest images outstanding (--devices)."""
+    def _leave(self, key: str, me: _Requester) -> None:
+        del me.link.requesters[me.id]
+        requesters = self.requesters[key]
+        requesters.remove(me)
+        if not requesters:
+            del self.requesters[key]
+        if me.canvas is not None and not me.canvas.done():
+            me.canvas.set_result(None)  # the flight asks another requester
+
+    async def _compute(self, key: str, output: str, dtype: str) -> Any:
+        """The flight of `key`: a requester's canvas (the first still there that was not asked yet),
+        through the batcher of the engine with the fewest images outstanding (--devices)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            me = next(r for r in self.requesters[key] if r.canvas is None)  # a flight has a requester until it ends
+            me.canvas = loop.create_future()
+            me.link.send({"op": "decode", "id": me.id})
+            decoded = await me.canvas
+            if decoded is not None:
+                break
+        if "error" in decoded:
+            raise InputError(decoded["error"])
+        canvas = self.layout.canvas(me.link.memory, me.slot, tuple(decoded["shape"]))
         engine = min(range(len(self.batchers)), key=self.outstanding.__getitem__)
+        released = me.released = loop.create_future()
         self.outstanding[engine] += 1
         try:  # named for messages neutrally: a computation may be shared by several requests
-            result = await self.batchers[engine].aencode(EncodedImage("image", data), output=output, dtype=dtype)
+            future = self.batchers[engine].submit_canvas(canvas, "image", decoded["decode_s"], output=output,
+                                                         dtype=dtype)
+        except BaseException:  # refused (Overloaded): the batcher never read the canvas
+            self.outstanding[engine] -= 1
+            released.set_result(None)
+            raise
+        # Done (cancelled included: then no batch will read it), the canvas is the front's again.
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(_settle, released))
+        try:
+            result = await asyncio.wrap_future(future)
         finally:
             self.outstanding[engine] -= 1
         self.metrics.computed(result.timing)
         return result
 
-    # -- the app ----------------------------------------------------------------------------------
 
-    def route(self, path: str, handler: Callable[[Request, _Timing], Awaitable[Response]], method: str,
-              work: bool) -> Route:
-        """`handler` with what every response gets: errors as one line and a status, timing headers, the
-        request counted and logged. `work`: an embedding route (refused while draining; `admit` counts it)."""
-        async def endpoint(request: Request) -> Response:
-            t0, timing = time.perf_counter(), _Timing()
-            try:
-                if work and self.draining:
-                    raise HttpError(503, "draining: the server is shutting down; send to another replica")
-                response = await handler(request, timing)
-                note = response.headers.get("x-cache", "")
-            except HttpError as exc:
-                response, note = _error(exc.status, str(exc)), str(exc)
-            except (_ClientGone, ClientDisconnect):
-                response, note = Response(status_code=CLIENT_GONE), "client disconnected: its work dropped"
-            except Exception as exc:
-                log.error("glmvit-cupy: internal error on %s %s\n%s", method, path, traceback.format_exc().rstrip())
-                line = str(exc).splitlines()[0] if str(exc) else ""
-                response, note = _error(500, f"internal error ({type(exc).__name__}: {line})"), "internal error"
-            return self.finish(request, path, response, t0, timing, note)
-
-        return Route(path, endpoint, methods=[method])
-
-    def admit(self, app: ASGIApp, work_paths: set[str]) -> ASGIApp:
-        """`app` holding at most max_requests work requests, counted from their arrival until their response
-        is sent (so the ones whose responses are being built or written count); past it 429 at once, before
-        the body is read: the HTTP layer, not only the batcher's queue, is bounded (TEI's
-        --max-concurrent-requests). Draining, they pass to the route's 503."""
-        async def admitted(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or scope["path"] not in work_paths:
-                return await app(scope, receive, send)
-            if self.active >= self.max_requests and not self.draining:
-                request, message = Request(scope, receive), (f"overloaded: the server holds {self.active} requests "
-                                                              f"(max {self.max_requests}): retry later")
-                response = self.finish(request, scope["path"], _error(429, message), time.perf_counter(), _Timing(),
-                                       message)
-                return await response(scope, receive, send)
-            self.active += 1
-            try:
-                await app(scope, receive, send)
-            finally:
-                self.active -= 1
-
-        return admitted
-
-    def finish(self, request: Request, route: str, response: Response, t0: float, timing: _Timing,
-               note: str) -> Response:
-        """Timing headers on `response`; the request counted (by `route`, a path the server has) and logged."""
-        total = time.perf_counter() - t0
-        response.headers.update({"x-total-time": _ms(total), "x-queue-time": _ms(timing.queue_s),
-                                 "x-decode-time": _ms(timing.decode_s), "x-inference-time": _ms(timing.inference_s)})
-        self.metrics.requests.labels(route, str(response.status_code)).inc()
-        self.metrics.request_seconds.labels(route).observe(total)
-        client = f"{request.client.host}:{request.client.port}" if request.client else "-"
-        log.info("%s %s %s %d %.1fms%s", client, request.method, request.url.path, response.status_code,
-                 1000 * total, f" {note}" if note else "")
-        return response
-
-
-def create_app(vits: Sequence[Any], *, model: str, directory: Path, limits: Limits) -> Starlette:
-    """The ASGI app serving `vits` (GlmVit engines, one batcher each): `app.state.service` is its state."""
-    service = Service(vits, model, directory, limits)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        await service.start()
-        yield
-        await service.stop()
-
-    work_paths = {"/v1/embeddings", "/embed"}
-    routes = [service.route(path, handler, method, work=path in work_paths) for path, handler, method in (
-        ("/v1/embeddings", service.embeddings, "POST"), ("/embed", service.embed, "POST"),
-        ("/health", service.health, "GET"), ("/info", service.info, "GET"), ("/metrics", service.prometheus, "GET"))]
-    known = ", ".join(f"{next(iter(r.methods - {'HEAD'}))} {r.path}" for r in routes)
-
-    async def no_route(request: Request, exc: HTTPException) -> Response:
-        """404 and 405 (Starlette's routing) in the server's error shape, with headers and a log line."""
-        message = f"no route {request.method} {request.url.path} (routes: {known})"
-        response = _error(exc.status_code, message)
-        response.headers.update(exc.headers or {})
-        return service.finish(request, "other", response, time.perf_counter(), _Timing(), message)
-
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route},
-                    middleware=[Middleware(service.admit, work_paths=work_paths)])
-    app.state.service = service
-    return app
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server with a drain before its shutdown. The first SIGTERM/SIGINT makes /health and new
-    work answer 503 (a load balancer takes the replica out) while the accepted requests finish; once none
-    is left, uvicorn's own graceful shutdown runs (listener closed, the batchers closed). A second signal
-    exits at once. An engine that cannot serve (`service.failure`: the warm-up or a GPU fault) ends the
-    server too, with status 1, for its supervisor to restart it."""
-
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
-        super().__init__(config)
-        self.service = service
-        self._announced = False
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        # Not uvicorn's: it records the signal and raises it again once the server has stopped, which
-        # would make the drained exit a death by signal instead of status 0.
-        if self.service.draining:
-            self.should_exit = self.force_exit = True
-        self.service.draining = True
-
-    async def on_tick(self, counter: int) -> bool:
-        service = self.service
-        if service.draining and not self._announced:  # logged here: a signal handler must not log
-            self._announced = True
-            log.info("glmvit-cupy: draining: %d request(s) to finish, then exit", service.active)
-        if (service.draining and service.active == 0) or service.failure is not None:
-            self.should_exit = True
-        return await super().on_tick(counter)
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A bound socket (port 0: any free one), so that the start line can name the port before serving."""
+    """A bound socket (port 0: any free one), so that the start line can name the port before serving;
+    the connections it accepts send through SEND_BUFFER_BYTES."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         sock.bind((host, port))
-        sock.listen(2048)  # connections wait in the backlog until uvicorn serves them (uvicorn's own default)
+        sock.listen(2048)  # connections wait in the backlog until a front serves them (uvicorn's own default)
     except OSError as exc:
         raise GlmVitError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
 
-def run(vits: Sequence[Any], *, model: str, directory: Path, limits: Limits, sock: socket.socket) -> int:
-    """Serve until drained (0) or until the warm-up fails (1); logs a line a request on stderr."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    app = create_app(vits, model=model, directory=directory, limits=limits)
-    service = app.state.service
-    # uvicorn's own lines (startup banners, its access log) off: ours say it in one line each.
-    config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on")
+def _remove_dead_servers_metrics() -> None:
+    """The metrics directories of servers that died without removing them (SIGKILL, the OOM killer):
+    each is named for its server's pid, and one whose process is gone is no one's."""
+    for path in Path(tempfile.gettempdir()).glob(f"{METRICS_PREFIX}*-*"):
+        pid = path.name[len(METRICS_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run(vits: Sequence[Any], *, model: str, directory: Path, limits: Limits, sock: socket.socket,
+        http_workers: int) -> int:
+    """Serve until drained (0) or until the engine fails (1); the fronts log a line a request on stderr.
+    The fronts' request counts live in a directory of this process's (prometheus-client's multiprocess
+    files), removed at exit."""
+    lines = log_through_thread(log)
+    _remove_dead_servers_metrics()
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
+    try:
+        return _serve(vits, model, directory, limits, sock, http_workers, metrics_dir)
+    finally:
+        shutil.rmtree(metrics_dir)
+        lines.stop()  # the lines queued are written first
+
+
+def _serve(vits: Sequence[Any], model: str, directory: Path, limits: Limits, sock: socket.socket,
+           http_workers: int, metrics_dir: str) -> int:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is the server's: no other caller to disturb
     host, port = sock.getsockname()[:2]
     vit = vits[0]
     geo = vit.geometry
     log.info("glmvit-cupy: serving %s (%d-block tower, out %d, fingerprint %s, backend %s x %d) on http://%s:%d; "
-             "/health is 200 after a warm-up encode", model, geo.depth, geo.out_hidden_size, vit.fingerprint[:12],
-             vit.backend, len(vits), f"[{host}]" if ":" in host else host, port)
-    DrainingServer(config, service).run(sockets=[sock])
-    return 1 if service.failure is not None else 0
+             "/health is 200 after a warm-up encode; %d HTTP front(s)", model, geo.depth, geo.out_hidden_size,
+             vit.fingerprint[:12], vit.backend, len(vits), f"[{host}]" if ":" in host else host, port, http_workers)
 
+    async def main() -> int:
+        return await Engine(vits, model, directory, limits, http_workers, sock, metrics_dir).main()
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise HttpError(413, f"the body of {int(declared):,} bytes is over the payload limit of {limit:,}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, f"the body is over the payload limit of {limit:,} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or _ClientGone (the work cancelled: queued images leave the batcher) when the
-    client disconnects first. Call once the body is read: from then on receive() only reports the end."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        task.cancel()  # a no-op once it is done
-    if not task.done():
-        raise _ClientGone
-    return task.result()
-
-
-def _parse_embeddings(body: bytes, model: str) -> tuple[list[str], str, str, str]:
-    """(inputs, output, dtype, encoding_format) of a /v1/embeddings body; HttpError 400 for anything else."""
-    try:
-        request = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HttpError(400, f"the body is not JSON: {exc}") from None
-    if not isinstance(request, dict):
-        raise HttpError(400, f"the body is a JSON {type(request).__name__}, expected an object with \"input\"")
-    unknown = sorted(set(request) - _EMBEDDINGS_FIELDS)
-    if unknown:
-        raise HttpError(400, f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(_EMBEDDINGS_FIELDS))})")
-    inputs = request.get("input")
-    inputs = [inputs] if isinstance(inputs, str) else inputs
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
-        raise HttpError(400, "\"input\" must be an image (a data:image/...;base64, URL) or a non-empty list of them")
-    if request.get("model", model) != model:
-        raise HttpError(400, f"model {request['model']!r}: this server serves {model!r}")
-    encoding = request.get("encoding_format", "float")
-    _check_choice("encoding_format", encoding, ("float", "base64"))
-    output, dtype = request.get("output", DEFAULT_OUTPUT), request.get("dtype", DEFAULT_DTYPE)
-    _check_choice("output", output, OUTPUTS)
-    _check_choice("dtype", dtype, DTYPES)
-    return inputs, output, dtype, encoding
-
-
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise HttpError(400, f"{name} {value!r}: expected one of {', '.join(choices)}")
-
-
-def _media_type(accept: str | None) -> str:
-    """The /embed response's media type from the Accept header (safetensors unless .npy is asked for)."""
-    if accept is None:
-        return MEDIA_SAFETENSORS
-    types = [part.split(";")[0].strip() for part in accept.split(",")]
-    for media in types:
-        if media in (MEDIA_SAFETENSORS, MEDIA_NPY):
-            return media
-        if media in ("*/*", "application/*"):
-            return MEDIA_SAFETENSORS
-    raise HttpError(406, f"Accept {accept!r}: /embed answers {MEDIA_SAFETENSORS} (safetensors) or {MEDIA_NPY}")
-
-
-def _arrays(result: Any, output: str) -> dict[str, np.ndarray]:
-    """The outputs asked for, by their library names."""
-    return {name: getattr(result, name) for name in OUTPUTS[output]}
-
-
-def _embeddings_parts(results: list[Any], output: str, encoding: str, model: str, device_base64: Any = None) -> list[Any]:
-    """The /v1/embeddings response as JSON, in parts to send in order, never joined: a real tower's base64
-    answer is megabytes, and each join or concatenation of it is a copy of it as long as the base64
-    itself takes (benchmarks/NOTES.md). An embedding is nested lists [tokens][dim] (float) or the
-    row-major bytes of the array in its dtype (base64; little-endian, as every host we run on), spliced in
-    as they are: base64 needs no JSON escaping, and json.dumps would scan megabytes for it. With
-    `device_base64` (a GPU server) the base64 is made on the GPU, in one part."""
-    parts, tokens = [b'{"object": "list", "data": ['], 0
-    for i, result in enumerate(results):
-        arrays = _arrays(result, output)
-        first = next(iter(arrays.values()))
-        tokens += first.shape[0]
-        head = json.dumps({"object": "embedding", "index": i, "shape": list(first.shape),
-                           "grid_thw": result.grid_thw[0].tolist()})
-        opening = b"{" if output == "both" else b""
-        parts.append((b", " if i else b"") + head[:-1].encode() + b', "embedding": ' + opening)
-        for j, (name, a) in enumerate(arrays.items()):
-            if output == "both":
-                parts.append((b"," if j else b"") + json.dumps(name).encode() + b":")
-            if encoding == "base64":
-                parts += [b'"', *(_base64_parts(a) if device_base64 is None else [device_base64.encode(a).data]), b'"']
-            else:
-                parts.append(json.dumps(a.astype(np.float32).tolist()).encode())
-        parts.append(b"}}" if output == "both" else b"}")
-    tail = json.dumps({"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-    return [*parts, b"], " + tail[1:].encode()]
-
-
-def _base64_parts(array: np.ndarray) -> list[bytes]:
-    """The base64 of the array's bytes, read in place (no copy of a contiguous array) in slices of
-    B64_SLICE bytes: a multiple of 3, so the parts are the whole's base64. Between slices the event loop
-    can take the GIL, which base64 holds, and 1 MiB results reuse freed memory where one of 22 MB is
-    page-faulted in afresh."""
-    flat = flat_bytes(array)
-    return [base64.b64encode(flat[i:i + B64_SLICE]) for i in range(0, flat.size, B64_SLICE)]
-
-
-class _PartsResponse(Response):
-    """A body sent as its parts, never joined (a real tower's answer is megabytes: each join a copy of
-    it), its length declared up front."""
-
-    def __init__(self, parts: list[Any], headers: dict[str, str], media_type: str = "application/json") -> None:
-        super().__init__(None, headers={**headers, "content-length": str(sum(len(p) for p in parts))},
-                         media_type=media_type)
-        self.parts = parts
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for part in self.parts:
-            await send({"type": "http.response.body", "body": part, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    """The error body every route answers with (OpenAI's shape): one line."""
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-
-def _ms(seconds: float) -> str:
-    return f"{1000 * seconds:.3f}"
+        import uvloop  # as uvicorn's fronts run: the engine's loop carries every front's messages
+    except ImportError:
+        return asyncio.run(main())
+    return uvloop.run(main())
