@@ -12,7 +12,8 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 2. Forward only: e2e.forward_only on the same files in this process (pipeline packing, pixels on the
    device, back to back), and the forward of the lone request's 448x448 grid alone; freed before step 3.
 3. The server (tests/serving.py): `glmvit-cupy serve --model M --backend B --max-queue Q`, healthy.
-4. Lone: --lone requests of a 448x448 photo, one at a time: p50 / p99 latency, against the forward.
+4. Lone: --lone requests of a 448x448 photo, one at a time: p50 / p99 latency, against the forward, and
+   where it goes: the medians of the server's timing headers and of the client's time beyond them.
 5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward;
    the CPU the server's busiest thread (its event loop) and its whole process tree used meanwhile.
 6. Poisson arrivals at --rates x saturation (25, 50, 75 %), --rate-s seconds each: p50 / p99 latency.
@@ -62,6 +63,7 @@ LONG_SIDE_MAX = 1024
 LONE_SIDE = 448
 REQUEST_TIMEOUT_S = 300.0  # a request unanswered this long is lost
 SAMPLE_S = 5.0
+SERVER_STAGES = ("queue", "decode", "inference", "total")  # the server's x-<stage>-time headers, ms
 SOAK_FLAT = {"server_tree_rss_mib": (0.05, 64), "gpu_used_mib": (0.02, 0)}  # soak.py's rules for these series
 TARGETS = {"saturation_over_forward": 0.8, "lone_p50_over_forward_ms": 3.0, "p99_at_half_over_lone": 3.0}
 
@@ -131,8 +133,9 @@ async def post(client: httpx.AsyncClient, url: str, body: bytes, gate: asyncio.S
             r = await client.post(f"{url}/v1/embeddings", content=body, headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
             return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0, wait_s=sent - t0)
+    server = {stage: float(r.headers.get(f"x-{stage}-time", "nan")) for stage in SERVER_STAGES}
     return dict(status=r.status_code, latency_s=time.perf_counter() - t0, wait_s=sent - t0,
-                cache=r.headers.get("x-cache"), inference_ms=float(r.headers.get("x-inference-time", "nan")))
+                cache=r.headers.get("x-cache"), inference_ms=server["inference"], server_ms=server)
 
 
 def latency(results: list[dict]) -> dict:
@@ -143,6 +146,16 @@ def latency(results: list[dict]) -> dict:
     return dict(requests=len(results), statuses=statuses,
                 p50_ms=round(1000 * float(np.percentile(ok, 50)), 2) if ok else None,
                 p99_ms=round(1000 * float(np.percentile(ok, 99)), 2) if ok else None)
+
+
+def stage_split(results: list[dict]) -> dict:
+    """Medians over the answered requests of the server's timing headers (ms) and of what the client
+    saw beyond the server's total: the request's read before the front's clock starts, the answer's
+    write and transfer, the client's own parse."""
+    ok = [r for r in results if r["status"] == 200]
+    split = {stage: round(float(np.median([r["server_ms"][stage] for r in ok])), 2) for stage in SERVER_STAGES}
+    split["outside_server"] = round(float(np.median([1000 * r["latency_s"] - r["server_ms"]["total"] for r in ok])), 2)
+    return split
 
 
 async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], concurrency: int) -> list[dict]:
@@ -319,7 +332,8 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         geo = info["geometry"]
         record: dict = {"clients": args.clients,
                         "batch_tokens_max": info["limits"]["p_max"] // geo["spatial_merge_size"] ** 2}
-        record["lone"] = latency(load.one("lone", (lone, args.lone)))
+        results = load.one("lone", (lone, args.lone))
+        record["lone"] = dict(latency(results), median_ms=stage_split(results))
         print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
 
         cpu, clients, stages = thread_cpu(server.proc.pid), load.cpu(), _stage_seconds(server)
@@ -410,6 +424,8 @@ def markdown(r: dict) -> str:
              f"{sat['client_cores']:.2f}; {sat['stage_mean_ms']} | |",
              f"| lone {LONE_SIDE}x{LONE_SIDE}: p50 / p99 ms (its forward {r['lone_forward_ms']:.2f} ms) | "
              f"{lone['p50_ms']} / {lone['p99_ms']} | p50 <= forward + {TARGETS['lone_p50_over_forward_ms']:.0f} ms |",
+             f"| lone {LONE_SIDE}x{LONE_SIDE}, medians ms: the server's queue, decode, inference, total headers; "
+             f"the client's latency beyond the server's total | {lone['median_ms']} | |",
              *[f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "
                f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
                                                       if p is half else "") + " |" for p in r["poisson"]],
