@@ -12,7 +12,8 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 2. Forward only: e2e.forward_only on the same files in this process (pipeline packing, pixels on the
    device, back to back), and the forward of the lone request's 448x448 grid alone; freed before step 3.
 3. The server (tests/serving.py): `glmvit-cupy serve --model M --backend B --max-queue Q`, healthy.
-4. Lone: --lone requests of a 448x448 photo, one at a time: p50 / p99 latency, against the forward, and
+4. Lone: --lone requests of a 448x448 photo, one at a time (through /v1/embeddings, then as many through
+   /embed, the file's bytes in): p50 / p99 latency, against the forward, and
    where it goes: the medians of the server's timing headers and of the client's time beyond them.
 5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward;
    the CPU the server's busiest thread (its event loop) and its whole process tree used meanwhile.
@@ -74,15 +75,21 @@ class Bodies:
     never repeat each other's bytes)."""
 
     def __init__(self, data: bytes, media: str) -> None:
-        padded = data + b"\0" * (-len(data) % 3)
+        padded = self.padded = data + b"\0" * (-len(data) % 3)
         self.head = '{"encoding_format": "base64", "input": ["data:' + media + ';base64,' \
             + base64.b64encode(padded).decode()
         self.count = 0
 
-    def next(self) -> bytes:
+    def _nonce(self) -> bytes:
         self.count += 1
-        nonce = (os.getpid() << 40 | self.count).to_bytes(9, "little")
-        return (self.head + base64.b64encode(nonce).decode() + '"]}').encode()
+        return (os.getpid() << 40 | self.count).to_bytes(9, "little")
+
+    def next(self) -> bytes:
+        return (self.head + base64.b64encode(self._nonce()).decode() + '"]}').encode()
+
+    def next_file(self) -> bytes:
+        """The image's own bytes with a nonce after them, as `POST /embed` takes them."""
+        return self.padded + self._nonce()
 
 
 def media_of(path: str) -> str:
@@ -123,14 +130,17 @@ def forward_ms(vit: GlmVit, data: bytes) -> float:
     return 1000 * float(np.median(times))
 
 
-async def post(client: httpx.AsyncClient, url: str, body: bytes, gate: asyncio.Semaphore | None = None) -> dict:
+async def post(client: httpx.AsyncClient, url: str, body: bytes, gate: asyncio.Semaphore | None = None,
+               route: str = "/v1/embeddings") -> dict:
     """One request: its status (or the exception that lost it), latency and timing headers. With `gate`
-    (open loops), it waits there for one of the client's connections, and its latency counts the wait."""
+    (open loops), it waits there for one of the client's connections, and its latency counts the wait.
+    `route`: /v1/embeddings (a JSON body) or /embed (an image file's bytes, a safetensors answer)."""
     t0 = time.perf_counter()
     async with gate or contextlib.nullcontext():
         sent = time.perf_counter()
         try:
-            r = await client.post(f"{url}/v1/embeddings", content=body, headers={"content-type": "application/json"})
+            kind = "application/json" if route == "/v1/embeddings" else "application/octet-stream"
+            r = await client.post(f"{url}{route}", content=body, headers={"content-type": kind})
         except httpx.HTTPError as exc:
             return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0, wait_s=sent - t0)
     server = {stage: float(r.headers.get(f"x-{stage}-time", "nan")) for stage in SERVER_STAGES}
@@ -200,7 +210,7 @@ def _client_start(url: str, files: list[str], connections: int, seed: int) -> No
 
 
 def _client_step(step: str, args: tuple) -> list[dict]:
-    """One client process's part of a step: "lone" (image, requests) one at a time; "each" (indices
+    """One client process's part of a step: "lone" (image, requests, route) one at a time; "each" (indices
     into the files, clients): each file once; "repeat" (body, requests, clients); "poisson" (rate,
     seconds)."""
     async def go() -> list[dict]:
@@ -208,9 +218,10 @@ def _client_step(step: str, args: tuple) -> list[dict]:
         async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
             url, sources = _client["url"], _client["sources"]
             if step == "lone":
-                image, requests = args
+                image, requests, route = args
                 lone = Bodies(image, "image/jpeg")
-                return [await post(client, url, lone.next()) for _ in range(requests)]
+                return [await post(client, url, lone.next() if route == "/v1/embeddings" else lone.next_file(),
+                                   route=route) for _ in range(requests)]
             if step == "each":
                 indices, clients = args
                 return await closed_loop(client, url, [sources[i].next() for i in indices], clients)
@@ -332,9 +343,12 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         geo = info["geometry"]
         record: dict = {"clients": args.clients,
                         "batch_tokens_max": info["limits"]["p_max"] // geo["spatial_merge_size"] ** 2}
-        results = load.one("lone", (lone, args.lone))
+        results = load.one("lone", (lone, args.lone, "/v1/embeddings"))
         record["lone"] = dict(latency(results), median_ms=stage_split(results))
         print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
+        results = load.one("lone", (lone, args.lone, "/embed"))
+        record["lone_embed"] = dict(latency(results), median_ms=stage_split(results))
+        print(f"lone {LONE_SIDE}x{LONE_SIDE} through /embed: {record['lone_embed']}", flush=True)
 
         cpu, clients, stages = thread_cpu(server.proc.pid), load.cpu(), _stage_seconds(server)
         results, wall = load.each(len(files), args.concurrency)
@@ -401,7 +415,7 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
 
 
 def markdown(r: dict) -> str:
-    fwd, env, lone, sat = r["forward_only"], r["env"], r["lone"], r["saturation"]
+    fwd, env, lone, embed, sat = r["forward_only"], r["env"], r["lone"], r["lone_embed"], r["saturation"]
     cpu = sat["server_cpu"]
     half = next((p for p in r["poisson"] if p["share"] == 0.5), None)
     over, cache, soak = r["overload"], r["cache"], r["soak"]
@@ -426,6 +440,8 @@ def markdown(r: dict) -> str:
              f"{lone['p50_ms']} / {lone['p99_ms']} | p50 <= forward + {TARGETS['lone_p50_over_forward_ms']:.0f} ms |",
              f"| lone {LONE_SIDE}x{LONE_SIDE}, medians ms: the server's queue, decode, inference, total headers; "
              f"the client's latency beyond the server's total | {lone['median_ms']} | |",
+             f"| the same through `POST /embed` (the file's bytes in, a safetensors file of the pooler out): p50 / "
+             f"p99 ms; medians as above | {embed['p50_ms']} / {embed['p99_ms']}; {embed['median_ms']} | |",
              *[f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "
                f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
                                                       if p is half else "") + " |" for p in r["poisson"]],
