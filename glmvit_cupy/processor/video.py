@@ -251,54 +251,63 @@ def _int16_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray,
 
 
 @functools.lru_cache(maxsize=64)
-def _bands(in_size: int, out_size: int) -> tuple[list[tuple[int, int, int, int, np.ndarray]], int]:
-    """([(first output, stop, first input, stop, weights [inputs, outputs])], precision bits)
-    for one axis: the int16 weights as dense blocks of RESIZE_BAND outputs each, float32 where
-    every sum they make is an integer float32 holds exactly, else float64."""
+def _bands(in_size: int, out_size: int) -> tuple[list[tuple[int, int, int, int, np.ndarray]], type]:
+    """([(first output, stop, first input, stop, weights [inputs, outputs])], their dtype) for one
+    axis: the int16 weights over 2^precision as dense blocks of RESIZE_BAND outputs each, float32
+    where every sum they make (the rounding's half included) is a float32 exactly, else float64.
+    A power of two only moves the exponent, so the sums are ATen's integer sums over 2^precision."""
     index, fixed, precision = _int16_weights(in_size, out_size)
-    largest = 255 * int(np.abs(fixed).sum(axis=1).max()) + (1 << (precision - 1))  # with the rounding bias
+    largest = 255 * int(np.abs(fixed).sum(axis=1).max()) + (1 << (precision - 1))
     dtype = np.float32 if largest < 2**24 else np.float64
     bands = []
     for o0 in range(0, out_size, RESIZE_BAND):
         o1 = min(o0 + RESIZE_BAND, out_size)
         taps = index[o0:o1]
         i0, i1 = int(taps.min()), int(taps.max()) + 1
-        weights = np.zeros((i1 - i0, o1 - o0), dtype=dtype)
+        weights = np.zeros((i1 - i0, o1 - o0), dtype=np.float64)
         np.add.at(weights, (taps - i0, np.arange(o1 - o0)[:, None]), fixed[o0:o1])  # taps past the end weigh 0
-        bands.append((o0, o1, i0, i1, weights))
-    return bands, precision
+        bands.append((o0, o1, i0, i1, (weights / (1 << precision)).astype(dtype)))
+    return bands, dtype
 
 
-def _resample(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-    """One pass of the uint8 resize along `axis` (0: rows, 1: columns) of [H, W, C] uint8."""
-    bands, precision = _bands(image.shape[axis], out_size)
-    dtype = bands[0][4].dtype
-    height, width, channels = image.shape
-    if axis == 1:  # rows of one channel's values: [H x C, W] @ weights
-        src = image.transpose(0, 2, 1).reshape(height * channels, width).astype(dtype)
-        acc = np.empty((height * channels, out_size), dtype=dtype)
+def _resample(src: np.ndarray, rows: tuple[int, int], axis: int, out_size: int, shape: tuple[int, ...],
+               order: tuple[int, ...]) -> np.ndarray:
+    """One pass of the uint8 resize: `src` (uint8, any view) read as a 2-D `rows` array, resampled
+    along `axis` (0: down its columns, 1: along its rows) to `out_size`, the uint8 result reshaped
+    to `shape` with its axes put in `order`. Each copy is also a conversion: the uint8 view into
+    floats, the rounded floats into uint8 in the final layout."""
+    bands, dtype = _bands(rows[axis], out_size)
+    values = np.empty(rows, dtype=dtype)
+    values.reshape(src.shape)[...] = src
+    if axis == 1:
+        acc = np.empty((rows[0], out_size), dtype=dtype)
         for o0, o1, i0, i1, weights in bands:
-            np.matmul(src[:, i0:i1], weights, out=acc[:, o0:o1])
-        acc = acc.reshape(height, channels, out_size).transpose(0, 2, 1)
-    else:  # weights^T @ [H, W x C]
-        src = image.reshape(height, width * channels).astype(dtype)
-        acc = np.empty((out_size, width * channels), dtype=dtype)
+            np.matmul(values[:, i0:i1], weights, out=acc[:, o0:o1])
+    else:
+        acc = np.empty((out_size, rows[1]), dtype=dtype)
         for o0, o1, i0, i1, weights in bands:
-            np.matmul(weights.T, src[i0:i1], out=acc[o0:o1])
-        acc = acc.reshape(out_size, width, channels)
-    acc += 1 << (precision - 1)  # then >> precision: a floor, exact on these integers
-    acc *= dtype.type(1.0 / (1 << precision))
-    np.floor(acc, out=acc)
-    return np.clip(acc, 0, 255).astype(np.uint8)
+            np.matmul(weights.T, values[i0:i1], out=acc[o0:o1])
+    acc += 0.5  # ATen rounds (sum + 2^(precision-1)) >> precision: a floor, here the cast's truncation
+    acc = acc.reshape(shape).transpose(order)
+    out = np.empty(acc.shape, dtype=np.uint8)
+    np.clip(acc, 0, 255, out=out, casting="unsafe")  # clipped first, so the truncation is the floor
+    return out
 
 
 def resize_uint8(image: np.ndarray, height: int, width: int) -> np.ndarray:
     """[H, W, C] uint8 -> [height, width, C] uint8, as torchvision's resize(antialias=True,
-    BICUBIC) of a uint8 tensor on the CPU."""
-    if image.shape[1] != width:
-        image = _resample(image, width, axis=1)
-    if image.shape[0] != height:
-        image = _resample(image, height, axis=0)
+    BICUBIC) of a uint8 tensor on the CPU: the width, then the height. Between the passes the
+    frame is [H, C, width]: the first pass's products want each channel's row contiguous, and the
+    second resamples whole rows in any order."""
+    h, w, c = image.shape
+    if w != width:
+        columns = image.transpose(0, 2, 1)
+        if h == height:
+            return _resample(columns, (h * c, w), 1, width, (h, c, width), (0, 2, 1))
+        image = _resample(columns, (h * c, w), 1, width, (h, c * width), (0, 1))
+        return _resample(image, (h, c * width), 0, height, (height, c, width), (0, 2, 1))
+    if h != height:
+        return _resample(image, (h, w * c), 0, height, (height, w, c), (0, 1, 2))
     return image
 
 
