@@ -259,10 +259,15 @@ def run(args: argparse.Namespace) -> None:
         "h200-video.json" if backend == "cupy" else "cpu-video.json"))
 
 
-def main() -> None:
-    ap = collection_options(__doc__, ("h200-video.json", "cpu-video.json"))
+def clip_options(ap: argparse.ArgumentParser) -> None:
+    """The options that name the collection of clips (this script's, and video_order.py's, which reuses it)."""
     ap.add_argument("--clips", type=int, default=8, help="clips in the collection")
     ap.add_argument("--max-seconds", type=int, default=120, help="the longest a clip may be (at least 10)")
+
+
+def main() -> None:
+    ap = collection_options(__doc__, ("h200-video.json", "cpu-video.json"))
+    clip_options(ap)
     ap.add_argument("--long-minutes", type=float, default=10.0, help="length of the memory run's 1080p clip")
     ap.add_argument("--hf-clips", type=int, default=3, help="clips transformers runs on, spread over the collection")
     ap.add_argument("--prepare-only", action="store_true",

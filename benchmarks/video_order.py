@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from video import REPO, prepare_clips, video_batches  # puts the repo and tests/ on sys.path
+from video import REPO, clip_options, prepare_clips, video_batches  # puts the repo and tests/ on sys.path
 
 from e2e import check_same_work, collection_options, environment, forward_passes, read_records, run_cli, save
 from footage import build_clips
@@ -104,8 +104,7 @@ def markdown(r: dict) -> str:
 
 def main() -> None:
     ap = collection_options(__doc__, ("h200-video-order.json", "cpu-video-order.json"))
-    ap.add_argument("--clips", type=int, default=6, help="clips in video.py's collection [default: 6]")
-    ap.add_argument("--max-seconds", type=int, default=120, help="the longest a clip may be, as video.py's")
+    clip_options(ap)
     ap.add_argument("--few-workers", type=int, default=4, help="decode workers of run 4 [default: 4]")
     try:
         run(ap.parse_args())
