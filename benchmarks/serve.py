@@ -64,7 +64,7 @@ LONG_SIDE_MAX = 1024
 LONE_SIDE = 448
 REQUEST_TIMEOUT_S = 300.0  # a request unanswered this long is lost
 SAMPLE_S = 5.0
-SERVER_STAGES = ("queue", "decode", "inference", "total")  # the server's x-<stage>-time headers, ms
+HEADER_STAGES = ("queue", "decode", "inference", "total")  # the server's x-<stage>-time headers, ms
 SOAK_FLAT = {"server_tree_rss_mib": (0.05, 64), "gpu_used_mib": (0.02, 0)}  # soak.py's rules for these series
 TARGETS = {"saturation_over_forward": 0.8, "lone_p50_over_forward_ms": 3.0, "p99_at_half_over_lone": 3.0}
 
@@ -143,7 +143,7 @@ async def post(client: httpx.AsyncClient, url: str, body: bytes, gate: asyncio.S
             r = await client.post(f"{url}{route}", content=body, headers={"content-type": kind})
         except httpx.HTTPError as exc:
             return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0, wait_s=sent - t0)
-    server = {stage: float(r.headers.get(f"x-{stage}-time", "nan")) for stage in SERVER_STAGES}
+    server = {stage: float(r.headers.get(f"x-{stage}-time", "nan")) for stage in HEADER_STAGES}
     return dict(status=r.status_code, latency_s=time.perf_counter() - t0, wait_s=sent - t0,
                 cache=r.headers.get("x-cache"), inference_ms=server["inference"], server_ms=server)
 
@@ -165,7 +165,7 @@ def stage_split(results: list[dict], q: float = 50) -> dict:
     ok = [r for r in results if r["status"] == 200]
     if not ok:
         return {}
-    split = {stage: round(float(np.percentile([r["server_ms"][stage] for r in ok], q)), 2) for stage in SERVER_STAGES}
+    split = {stage: round(float(np.percentile([r["server_ms"][stage] for r in ok], q)), 2) for stage in HEADER_STAGES}
     split["outside_server"] = round(float(np.percentile([1000 * r["latency_s"] - r["server_ms"]["total"]
                                                          for r in ok], q)), 2)
     return split
@@ -303,7 +303,7 @@ def _busy(before: dict[str, float], after: dict[str, float], wall: float) -> dic
                 tree_cores=round((after["tree"] - before["tree"]) / wall, 2))
 
 
-STAGES = ("queue", "decode", "inference", "request")
+STAGES = ("queue", "decode", "inference", "request")  # the glmvit_<stage>_duration_seconds histograms
 BATCH = ("images", "tokens")  # the glmvit_batch_* histograms: a forward batch's images and merged tokens
 
 
