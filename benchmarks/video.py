@@ -208,8 +208,7 @@ def markdown(r: dict) -> str:
 def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     backend = args.backend
-    collection = args.collection or Path(tempfile.gettempdir()) / (
-        f"glmvit-video-clips-{args.clips}-{args.seed}-{args.max_seconds}")
+    collection = clip_collection(args)
     beside = collection.with_name(f"{collection.name}-long")  # not in the collection, which the CLI walks
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as alongside:  # the long clips meanwhile
         long_path = alongside.submit(long_clip, beside, args.long_minutes, args.seed)
@@ -257,6 +256,12 @@ def run(args: argparse.Namespace) -> None:
                   env=environment(backend), benchmark_wall_s=round(time.perf_counter() - t0, 1))
     save(record, markdown(record), args.out or REPO / "benchmarks" / "results" / (
         "h200-video.json" if backend == "cupy" else "cpu-video.json"))
+
+
+def clip_collection(args: argparse.Namespace) -> Path:
+    """Where the clips are made or reused: --collection, or a directory in the temp dir named by the recipe."""
+    return args.collection or Path(tempfile.gettempdir()) / (
+        f"glmvit-video-clips-{args.clips}-{args.seed}-{args.max_seconds}")
 
 
 def clip_options(ap: argparse.ArgumentParser) -> None:

@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from video import REPO, clip_options, prepare_clips, video_batches  # puts the repo and tests/ on sys.path
+from video import (REPO, clip_collection, clip_options, prepare_clips,  # puts the repo and tests/ on sys.path
+                   video_batches)
 
 from e2e import check_same_work, collection_options, environment, forward_passes, read_records, run_cli, save
 from footage import build_clips
@@ -49,13 +50,12 @@ def encode(files: list[str], args, workers: int) -> dict:
 
 def run(args) -> None:
     t0 = time.perf_counter()
-    collection = args.collection or Path(tempfile.gettempdir()) / (
-        f"glmvit-video-clips-{args.clips}-{args.seed}-{args.max_seconds}")
+    collection = clip_collection(args)
     manifest = build_clips(collection, args.clips, args.seed, args.max_seconds, workers=args.workers)
     files = [str(collection / e["name"]) for e in manifest["clips"]]
     config, _ = video_config(args.model)
     clips = prepare_clips(files, config, args.workers)
-    tokens = [t * h * w // 4 for _, (t, h, w) in clips]
+    tokens = [t * h * w // config.merge_size ** 2 for _, (t, h, w) in clips]
     heaviest = max(range(len(files)), key=tokens.__getitem__)
     others = [i for i in range(len(files)) if i != heaviest]
     shortest = min(range(len(files)), key=tokens.__getitem__)
