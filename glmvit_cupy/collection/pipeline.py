@@ -149,29 +149,29 @@ def _send_pixels(conn: Any, pixels: np.ndarray | bytes) -> None:
     _write_all(conn.fileno(), data)
 
 
-def _read_into(fd: int, view: memoryview) -> None:
-    sock = socket.socket(fileno=fd)  # borrowed: detached below, so the connection keeps its fd
-    try:
-        got = 0
-        while got < len(view):  # MSG_WAITALL returns short only at a signal or the end
-            n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-            if n == 0:
-                raise EOFError("the decode worker's connection closed inside a message")
-            got += n
-    finally:
-        sock.detach()
+def _read_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):  # MSG_WAITALL returns short only at a signal or the end
+        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise EOFError("the decode worker's connection closed inside a message")
+        got += n
 
 
 def _recv_pixels(conn: Any, out: np.ndarray) -> int:
     """One pixel message read into `out` (contiguous uint8), which it must fill; its size in
     bytes (0: the empty message)."""
-    head = bytearray(_PIXELS_HEAD.size)
-    _read_into(conn.fileno(), memoryview(head))
-    (size,) = _PIXELS_HEAD.unpack(head)
-    if size and size != out.nbytes:
-        raise InternalError(f"a decode worker sent {size} bytes of pixels where {out.nbytes} were expected")
-    if size:
-        _read_into(conn.fileno(), memoryview(out).cast("B"))
+    sock = socket.socket(fileno=conn.fileno())  # borrowed: detached below, so the connection keeps its fd
+    try:
+        head = bytearray(_PIXELS_HEAD.size)
+        _read_into(sock, memoryview(head))
+        (size,) = _PIXELS_HEAD.unpack(head)
+        if size and size != out.nbytes:
+            raise InternalError(f"a decode worker sent {size} bytes of pixels where {out.nbytes} were expected")
+        if size:
+            _read_into(sock, memoryview(out).cast("B"))
+    finally:
+        sock.detach()
     return size
 
 
