@@ -114,9 +114,8 @@ class FrameBudget:
 
 class Groups:
     """A video's temporal groups (of its frames' `shape` [T, H, W, 3]), uint8 [temporal, H, W,
-    3] each, in time order: put by the
-    receiving thread as its decode worker sends them (`received`, then `end` or `fail`), taken
-    by the packer (iteration, which waits for each). Each holds `budget` bytes from its receipt
+    3] each, in time order: put by the receiving thread as its decode worker sends them
+    (`received`, then `end`), taken by the packer (iteration, which waits for each). Each holds `budget` bytes from its receipt
     until the packer has staged it (`staged`). `abandon`: nobody will take the rest (the
     pipeline stopped): what waits and what still comes gives its bytes back at once."""
 
