@@ -124,9 +124,6 @@ class Batcher:
         when max_queue requests wait, GlmVitError once closed or for a bad option or type."""
         item = image_input(image, "request")
         request = self._enter(item, output, dtype, None)
-        with self._lock:
-            if self.decoder is None:
-                self.decoder = Decoder(self.workers, self.vit.processor)
         request.decode = self.decoder.submit(item)
         request.decode.add_done_callback(lambda f: self._decoded(request, f))
         return request.future
@@ -148,6 +145,8 @@ class Batcher:
             if len(self._order) >= self.max_queue:
                 raise Overloaded(f"{len(self._order)} requests are already waiting (max_queue {self.max_queue}): "
                                  "retry later")
+            if prep is None and self.decoder is None:  # under the lock that close() takes: never one it misses
+                self.decoder = Decoder(self.workers, self.vit.processor)
             self._order.append(request)
             self._decoding += 1
             self._totals["requests"] += 1
