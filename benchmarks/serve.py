@@ -12,8 +12,8 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 2. Forward only: e2e.forward_only on the same files in this process (pipeline packing, pixels on the
    device, back to back), and the forward of the lone request's 448x448 grid alone; freed before step 3.
 3. The server (tests/serving.py): `glmvit-cupy serve --model M --backend B --max-queue Q`, healthy.
-4. Lone: --lone requests of a 448x448 photo, one at a time (through /v1/embeddings, then as many through
-   /embed, the file's bytes in): p50 / p99 latency, against the forward, and
+4. Lone: --lone requests of a 448x448 photo, one at a time from a blocking httpx client (through
+   /v1/embeddings, then as many through /embed, the file's bytes in): p50 / p99 latency, against the forward, and
    where it goes: the medians of the server's timing headers and of the client's time beyond them.
 5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward;
    the CPU the server's busiest thread (its event loop) and its whole process tree used meanwhile.
@@ -40,6 +40,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import itertools
 import multiprocessing
 import os
 import threading
@@ -65,6 +66,7 @@ LONE_SIDE = 448
 REQUEST_TIMEOUT_S = 300.0  # a request unanswered this long is lost
 SAMPLE_S = 5.0
 HEADER_STAGES = ("queue", "decode", "inference", "total")  # the server's x-<stage>-time headers, ms
+CONTENT_TYPES = {"/v1/embeddings": "application/json", "/embed": "application/octet-stream"}
 SOAK_FLAT = {"server_tree_rss_mib": (0.05, 64), "gpu_used_mib": (0.02, 0)}  # soak.py's rules for these series
 TARGETS = {"saturation_over_forward": 0.8, "lone_p50_over_forward_ms": 3.0, "p99_at_half_over_lone": 3.0}
 
@@ -72,17 +74,18 @@ TARGETS = {"saturation_over_forward": 0.8, "lone_p50_over_forward_ms": 3.0, "p99
 class Bodies:
     """Request bodies of one image with distinct bytes each: the image padded to a multiple of 3 bytes,
     so its base64 is computed once and a nonce's base64 appended (the process id in it: client processes
-    never repeat each other's bytes)."""
+    never repeat each other's bytes; the count is the process's, so two steps' Bodies of one image never
+    repeat each other's either: the lone step's /embed requests were cache hits of its JSON requests)."""
+
+    _counts = itertools.count(1)
 
     def __init__(self, data: bytes, media: str) -> None:
         padded = self.padded = data + b"\0" * (-len(data) % 3)
         self.head = '{"encoding_format": "base64", "input": ["data:' + media + ';base64,' \
             + base64.b64encode(padded).decode()
-        self.count = 0
 
     def _nonce(self) -> bytes:
-        self.count += 1
-        return (os.getpid() << 40 | self.count).to_bytes(9, "little")
+        return (os.getpid() << 40 | next(self._counts)).to_bytes(9, "little")
 
     def next(self) -> bytes:
         return (self.head + base64.b64encode(self._nonce()).decode() + '"]}').encode()
@@ -139,10 +142,23 @@ async def post(client: httpx.AsyncClient, url: str, body: bytes, gate: asyncio.S
     async with gate or contextlib.nullcontext():
         sent = time.perf_counter()
         try:
-            kind = "application/json" if route == "/v1/embeddings" else "application/octet-stream"
-            r = await client.post(f"{url}{route}", content=body, headers={"content-type": kind})
+            r = await client.post(f"{url}{route}", content=body, headers={"content-type": CONTENT_TYPES[route]})
         except httpx.HTTPError as exc:
             return dict(status=f"lost ({type(exc).__name__})", latency_s=time.perf_counter() - t0, wait_s=sent - t0)
+    return outcome(r, t0, sent)
+
+
+def post_lone(client: httpx.Client, url: str, body: bytes, route: str) -> dict:
+    """One request of the lone step, through a blocking client: one request at a time needs no event
+    loop, and httpx's asyncio client reads an answer 64 KiB an await (a 4 MiB answer: ~3 ms more than
+    its blocking client on this project's CPU, benchmarks/NOTES.md), the client's cost, not the server's."""
+    t0 = time.perf_counter()
+    r = client.post(f"{url}{route}", content=body, headers={"content-type": CONTENT_TYPES[route]})
+    return outcome(r, t0, t0)
+
+
+def outcome(r: httpx.Response, t0: float, sent: float) -> dict:
+    """A request's record: its status, latency (from t0), wait for a connection and timing headers."""
     server = {stage: float(r.headers.get(f"x-{stage}-time", "nan")) for stage in HEADER_STAGES}
     return dict(status=r.status_code, latency_s=time.perf_counter() - t0, wait_s=sent - t0,
                 cache=r.headers.get("x-cache"), inference_ms=server["inference"], server_ms=server)
@@ -216,15 +232,18 @@ def _client_step(step: str, args: tuple) -> list[dict]:
     """One client process's part of a step: "lone" (image, requests, route) one at a time; "each" (indices
     into the files, clients): each file once; "repeat" (body, requests, clients); "poisson" (rate,
     seconds)."""
+    url = _client["url"]
+    if step == "lone":
+        image, requests, route = args
+        lone = Bodies(image, "image/jpeg")
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+            return [post_lone(client, url, lone.next() if route == "/v1/embeddings" else lone.next_file(), route)
+                    for _ in range(requests)]
+
     async def go() -> list[dict]:
         limits = httpx.Limits(max_connections=_client["connections"], max_keepalive_connections=None)
         async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
-            url, sources = _client["url"], _client["sources"]
-            if step == "lone":
-                image, requests, route = args
-                lone = Bodies(image, "image/jpeg")
-                return [await post(client, url, lone.next() if route == "/v1/embeddings" else lone.next_file(),
-                                   route=route) for _ in range(requests)]
+            sources = _client["sources"]
             if step == "each":
                 indices, clients = args
                 return await closed_loop(client, url, [sources[i].next() for i in indices], clients)
@@ -346,12 +365,14 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         geo = info["geometry"]
         record: dict = {"clients": args.clients,
                         "batch_tokens_max": info["limits"]["p_max"] // geo["spatial_merge_size"] ** 2}
-        results = load.one("lone", (lone, args.lone, "/v1/embeddings"))
-        record["lone"] = dict(latency(results), median_ms=stage_split(results))
-        print(f"lone {LONE_SIDE}x{LONE_SIDE}: {record['lone']}", flush=True)
-        results = load.one("lone", (lone, args.lone, "/embed"))
-        record["lone_embed"] = dict(latency(results), median_ms=stage_split(results))
-        print(f"lone {LONE_SIDE}x{LONE_SIDE} through /embed: {record['lone_embed']}", flush=True)
+        for key, route in (("lone", "/v1/embeddings"), ("lone_embed", "/embed")):
+            results = load.one("lone", (lone, args.lone, route))
+            computed = [r for r in results if r.get("cache") == "miss"]
+            if len(computed) < len(results):  # a hit is no lone computation: the step measured nothing
+                raise SystemExit(f"serve: error: {len(results) - len(computed)} of the lone requests through {route} "
+                                 "were not computed (cache hits or failures)")
+            record[key] = dict(latency(results), median_ms=stage_split(results))
+            print(f"lone {LONE_SIDE}x{LONE_SIDE} through {route}: {record[key]}", flush=True)
 
         cpu, clients, stages = thread_cpu(server.proc.pid), load.cpu(), _stage_seconds(server)
         results, wall = load.each(len(files), args.concurrency)
