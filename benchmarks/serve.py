@@ -15,9 +15,12 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 4. Lone: --lone requests of a 448x448 photo, one at a time from a blocking httpx client (through
    /v1/embeddings, then as many through /embed, the file's bytes in): p50 / p99 latency, against the forward, and
    where it goes: the medians of the server's timing headers and of the client's time beyond them.
+   Then each photo once, alone, one at a time (the load's asyncio client): step 6's baseline.
 5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward;
    the CPU the server's busiest thread (its event loop) and its whole process tree used meanwhile.
-6. Poisson arrivals at --rates x saturation (25, 50, 75 %), --rate-s seconds each: p50 / p99 latency.
+6. Poisson arrivals at --rates x saturation (25, 50, 75 %), --rate-s seconds each: p50 / p99 latency,
+   each stage's, and of each request's latency over its photo's alone (the photos' answers are 1-30 MB
+   of base64, the lone request's 5.6 MB: the tail is the largest photos' even with no queue).
 7. Overload: Poisson at 2x saturation for --duration seconds: every request answered 200 or 429, none
    lost or hung (client timeout REQUEST_TIMEOUT_S), the 429s' p99 (at once: the server holds at most
    /info's max_requests, and this client opens more connections than that), /health 200 afterwards.
@@ -174,6 +177,14 @@ def latency(results: list[dict]) -> dict:
                 p99_ms=round(1000 * float(np.percentile(ok, 99)), 2) if ok else None)
 
 
+def slowdown(results: list[dict], alone_s: dict[int, float]) -> dict:
+    """p50 and p99 over the answered requests of each one's latency over its image's latency alone: what
+    the load added, whatever the image's size (the photos' answers are 1-30 MB of base64, the lone
+    request's 5.6 MB)."""
+    ratios = [r["latency_s"] / alone_s[r["source"]] for r in results if r["status"] == 200]
+    return {f"p{q}": round(float(np.percentile(ratios, q)), 2) for q in (50, 99)} if ratios else {}
+
+
 def stage_split(results: list[dict], q: float = 50) -> dict:
     """The q-th percentile over the answered requests of each of the server's timing headers (ms) and
     of what the client saw beyond the server's total: the request's read before the front's clock
@@ -206,16 +217,16 @@ async def poisson(client: httpx.AsyncClient, url: str, sources: list[Bodies], ra
     httpx's pool, whose every hand-over scans all its waiting requests: under overload that scan, not
     the server, set the pace (2026-12-02 H200 run, NOTES)."""
     gate = asyncio.Semaphore(connections)
-    tasks, t0, at = [], time.perf_counter(), 0.0
+    tasks, picks, t0, at = [], [], time.perf_counter(), 0.0
     while at < seconds:
         now = time.perf_counter() - t0
         if at > now:
             await asyncio.sleep(at - now)
             continue
-        tasks.append(asyncio.ensure_future(post(client, url, sources[rng.integers(len(sources))].next(),
-                                                  gate)))
+        picks.append(int(rng.integers(len(sources))))
+        tasks.append(asyncio.ensure_future(post(client, url, sources[picks[-1]].next(), gate)))
         at += rng.exponential(1 / rate)
-    return list(await asyncio.gather(*tasks))
+    return [dict(r, source=i) for r, i in zip(await asyncio.gather(*tasks), picks)]
 
 
 _client: dict = {}  # a client process's state (`_client_start`)
@@ -229,9 +240,9 @@ def _client_start(url: str, files: list[str], connections: int, seed: int) -> No
 
 
 def _client_step(step: str, args: tuple) -> list[dict]:
-    """One client process's part of a step: "lone" (image, requests, route) one at a time; "each" (indices
-    into the files, clients): each file once; "repeat" (body, requests, clients); "poisson" (rate,
-    seconds)."""
+    """One client process's part of a step: "lone" (image, requests, route) one at a time; "alone"
+    (indices into the files): each file once, one at a time; "each" (indices, clients): each file once;
+    "repeat" (body, requests, clients); "poisson" (rate, seconds)."""
     url = _client["url"]
     if step == "lone":
         image, requests, route = args
@@ -244,6 +255,9 @@ def _client_step(step: str, args: tuple) -> list[dict]:
         limits = httpx.Limits(max_connections=_client["connections"], max_keepalive_connections=None)
         async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
             sources = _client["sources"]
+            if step == "alone":
+                (indices,) = args
+                return [dict(await post(client, url, sources[i].next()), source=i) for i in indices]
             if step == "each":
                 indices, clients = args
                 return await closed_loop(client, url, [sources[i].next() for i in indices], clients)
@@ -374,6 +388,13 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
             record[key] = dict(latency(results), median_ms=stage_split(results))
             print(f"lone {LONE_SIDE}x{LONE_SIDE} through {route}: {record[key]}", flush=True)
 
+        results = load.one("alone", (list(range(len(files))),))
+        if any(r["status"] != 200 for r in results):
+            raise SystemExit(f"serve: error: photos alone: {latency(results)['statuses']}")
+        alone_s = {r["source"]: r["latency_s"] for r in results}
+        record["alone"] = latency(results)
+        print(f"each photo alone: {record['alone']}", flush=True)
+
         cpu, clients, stages = thread_cpu(server.proc.pid), load.cpu(), _stage_seconds(server)
         results, wall = load.each(len(files), args.concurrency)
         sat = len(files) / wall
@@ -388,6 +409,7 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         for share in args.rates:
             results = load.poisson(share * sat, args.rate_s)
             record["poisson"].append(dict(latency(results), share=share, rate=round(share * sat, 2),
+                                          slowdown=slowdown(results, alone_s),
                                           p50_ms_split=stage_split(results), p99_ms_split=stage_split(results, 99)))
             print(f"poisson {share:.0%}: {record['poisson'][-1]}", flush=True)
 
@@ -472,7 +494,9 @@ def markdown(r: dict) -> str:
                  f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
                                                         if p is half else "") + " |",
                  f"| the same, each stage's p50; p99 ms (as the lone row) | {p['p50_ms_split']}; "
-                 f"{p['p99_ms_split']} | |")],
+                 f"{p['p99_ms_split']} | |",
+                 f"| the same, a request's latency over its photo's alone (p50 {r['alone']['p50_ms']} ms): p50; "
+                 f"p99 | {p['slowdown'].get('p50')}; {p['slowdown'].get('p99')} | |")],
              f"| overload 2x ({over['rate']:.1f}/s) for {over['seconds']:.0f} s: statuses; lost or other; "
              f"/health after; 429s' p99 ms; p99 ms a request waited for a client connection | {over['statuses']}; "
              f"{over['lost_or_other']}; {over['health_after']}; {over['refused_p99_ms']}; {over['client_wait_p99_ms']} | "
