@@ -45,6 +45,21 @@ def tree_memory(pid: int, own: bool = False) -> tuple[int, int, int]:
     return total, largest, alive
 
 
+def tree_rss_kinds(pid: int) -> dict[str, int]:
+    """The tree's RSS by kind, KiB, summed over its processes: anon (heaps, the processes' own),
+    shmem (shared memory: a page is counted once per process that maps it) and file."""
+    kinds = {"anon": 0, "shmem": 0, "file": 0}
+    for member in process_tree(pid):
+        try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{member}/status").read_text().splitlines())
+            values = {kind: int(status[f"Rss{kind.capitalize()}"].split()[0]) for kind in kinds}
+        except (OSError, KeyError, ValueError):  # ended, or a zombie without memory lines
+            continue
+        for kind, kib in values.items():
+            kinds[kind] += kib
+    return kinds
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) each thread of the process has used ('main' or 'thread TID'); the process's
     whole tree summed under 'tree'. Read twice, the differences say which thread is the bottleneck."""

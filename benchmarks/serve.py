@@ -55,7 +55,7 @@ import numpy as np
 from PIL import Image
 
 from e2e import benchmark_main, environment, forward_only, load_collection, save  # puts the repo on sys.path
-from proctree import thread_cpu, tree_memory
+from proctree import thread_cpu, tree_memory, tree_rss_kinds
 from soak import flatness, gpu_used_mib
 
 import httpx  # the [serve] extra
@@ -440,8 +440,10 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
 
         def sample() -> None:
             while True:
+                kinds = tree_rss_kinds(pid)  # which memory moves, if the sum does
                 samples.append(dict(t=round(time.perf_counter() - t0, 1),
                                     server_tree_rss_mib=round(tree_memory(pid)[0] / 1024, 1),
+                                    **{f"server_tree_{k}_mib": round(v / 1024, 1) for k, v in kinds.items()},
                                     gpu_used_mib=gpu_used_mib()))
                 if stop.wait(SAMPLE_S):
                     return
@@ -468,6 +470,8 @@ def markdown(r: dict) -> str:
     over, cache, soak = r["overload"], r["cache"], r["soak"]
     flat = ", ".join(f"{s} {'flat' if f['flat'] else 'GROWS'} ({f['first_minute_max']:.0f} -> "
                      f"{f['last_minute_max']:.0f})" if f else f"{s} n/a (too short)" for s, f in soak["flat"].items())
+    kinds = ", ".join(f"{k} {soak['samples'][0][f'server_tree_{k}_mib']:.0f} -> {soak['samples'][-1][f'server_tree_{k}_mib']:.0f}"
+                      for k in ("anon", "shmem", "file")) if soak["samples"] else "n/a"
     lines = [f"{env['date']}, {env['device']}, {env['cpus']} CPUs, backend {r['backend']}; {r['images']} photos of "
              f"long side <= {LONG_SIDE_MAX} px, base64 responses, --max-queue {r['max_queue']}, {r['clients']} client "
              "processes", "",
@@ -505,6 +509,8 @@ def markdown(r: dict) -> str:
              f"server's counts | {cache['requests_per_s']:.1f}, {cache['p50_ms']}, {cache['hits']} "
              f"({cache['hit_inference_ms_max']}); {cache['metrics']} | hits at 0 ms |",
              f"| soak at 50 % for {soak['minutes']:g} min: errors; memory | {soak['errors']}; {flat} | 0; flat |",
+             f"| the soak's tree RSS by kind, MiB, first sample -> last (shmem: the fronts' slots, counted once per "
+             f"process mapping them) | {kinds} | |",
              f"| the server's exit status after SIGTERM (drained) | {r['server_exit']} | 0 |"]
     return "\n".join(lines) + "\n"
 
