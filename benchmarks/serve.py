@@ -59,6 +59,7 @@ from proctree import thread_cpu, tree_memory, tree_rss_kinds
 from soak import flatness, gpu_used_mib
 
 import httpx  # the [serve] extra
+from httpcore._async.http11 import AsyncHTTP11Connection
 from serving import ServerProcess, die_with_parent  # tests/, on sys.path through e2e
 
 from glmvit_cupy import GlmVit, preprocess
@@ -69,6 +70,7 @@ LONE_SIDE = 448
 REQUEST_TIMEOUT_S = 300.0  # a request unanswered this long is lost
 SAMPLE_S = 5.0
 HEADER_STAGES = ("queue", "decode", "inference", "total")  # the server's x-<stage>-time headers, ms
+CLIENT_READ_BYTES = 2**20  # an answer's read a time in the asyncio clients (_client_start)
 CONTENT_TYPES = {"/v1/embeddings": "application/json", "/embed": "application/octet-stream"}
 SOAK_FLAT = {"server_tree_rss_mib": (0.05, 64), "gpu_used_mib": (0.02, 0)}  # soak.py's rules for these series
 TARGETS = {"saturation_over_forward": 0.8, "lone_p50_over_forward_ms": 3.0, "p99_at_half_over_lone": 3.0}
@@ -233,8 +235,15 @@ _client: dict = {}  # a client process's state (`_client_start`)
 
 
 def _client_start(url: str, files: list[str], connections: int, seed: int) -> None:
-    """A client process: dies with the benchmark, keeps every image's request bodies ready."""
+    """A client process: dies with the benchmark, keeps every image's request bodies ready, and reads
+    answers 1 MiB an await: httpcore's asyncio connection reads 64 KiB at a time, and a 1024-px photo's
+    15 MB answer took 26.8 ms to read that way against 12.2 ms at 1 MiB (as its blocking client) from a
+    bare uvicorn on this project's CPU (benchmarks/NOTES.md): the load generator measured itself."""
     die_with_parent()
+    if not hasattr(AsyncHTTP11Connection, "READ_NUM_BYTES"):
+        raise SystemExit("serve: error: httpcore's AsyncHTTP11Connection has no READ_NUM_BYTES to set; check its "
+                         "read size by hand")
+    AsyncHTTP11Connection.READ_NUM_BYTES = CLIENT_READ_BYTES
     _client.update(url=url, connections=connections, sources=[Bodies(Path(f).read_bytes(), media_of(f)) for f in files],
                    rng=np.random.default_rng([seed, os.getpid()]))
 
