@@ -19,8 +19,8 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward;
    the CPU the server's busiest thread (its event loop) and its whole process tree used meanwhile.
 6. Poisson arrivals at --rates x saturation (25, 50, 75 %), --rate-s seconds each: p50 / p99 latency,
-   each stage's, and of each request's latency over its photo's alone (the photos' answers are 1-30 MB
-   of base64, the lone request's 5.6 MB: the tail is the largest photos' even with no queue).
+   each stage's, and of each request's latency over its photo's alone (the photos' answers are ~1-11 MB
+   of base64, the lone request's 2.8 MB: the tail is the largest photos' even with no queue).
 7. Overload: Poisson at 2x saturation for --duration seconds: every request answered 200 or 429, none
    lost or hung (client timeout REQUEST_TIMEOUT_S), the 429s' p99 (at once: the server holds at most
    /info's max_requests, and this client opens more connections than that), /health 200 afterwards.
@@ -181,8 +181,8 @@ def latency(results: list[dict]) -> dict:
 
 def slowdown(results: list[dict], alone_s: dict[int, float]) -> dict:
     """p50 and p99 over the answered requests of each one's latency over its image's latency alone: what
-    the load added, whatever the image's size (the photos' answers are 1-30 MB of base64, the lone
-    request's 5.6 MB)."""
+    the load added, whatever the image's size (the photos' answers are ~1-11 MB of base64, the lone
+    request's 2.8 MB)."""
     ratios = [r["latency_s"] / alone_s[r["source"]] for r in results if r["status"] == 200]
     return {f"p{q}": round(float(np.percentile(ratios, q)), 2) for q in (50, 99)} if ratios else {}
 
@@ -236,8 +236,8 @@ _client: dict = {}  # a client process's state (`_client_start`)
 
 def _client_start(url: str, files: list[str], connections: int, seed: int) -> None:
     """A client process: dies with the benchmark, keeps every image's request bodies ready, and reads
-    answers 1 MiB an await: httpcore's asyncio connection reads 64 KiB at a time, and a 1024-px photo's
-    15 MB answer took 26.8 ms to read that way against 12.2 ms at 1 MiB (as its blocking client) from a
+    answers 1 MiB an await: httpcore's asyncio connection reads 64 KiB at a time, and a 15 MB answer
+    took 26.8 ms to read that way against 12.2 ms at 1 MiB (as its blocking client) from a
     bare uvicorn on this project's CPU (benchmarks/NOTES.md): the load generator measured itself."""
     die_with_parent()
     if not hasattr(AsyncHTTP11Connection, "READ_NUM_BYTES"):
