@@ -392,8 +392,12 @@ def test_sigterm_drains_queued_work_then_exits_0(tiny_ckpt, fronts):
 
         async def main():
             async with httpx.AsyncClient(timeout=60) as client:
-                work = [asyncio.ensure_future(client.post(f"{server.url}/embed", content=jpeg(HUGE, seed=60 + i)))
-                        for i in range(4)]
+                work = []
+                for i in range(4):  # a connection at a time: each meets the fronts' accept balance on its own
+                    # (a burst of four once found a busy host's second front asleep, and all went to the first)
+                    work.append(asyncio.ensure_future(client.post(f"{server.url}/embed",
+                                                                  content=jpeg(HUGE, seed=60 + i))))
+                    await asyncio.sleep(0.05)
                 await until(lambda: taken() == 2 + 4)  # all four taken: none done (a forward takes ~1.7 s)
                 server.proc.send_signal(15)
                 await asyncio.to_thread(server.wait_for, "draining: 4 request", 10)
