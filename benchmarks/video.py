@@ -56,6 +56,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -264,25 +265,28 @@ def clip_collection(args: argparse.Namespace) -> Path:
         f"glmvit-video-clips-{args.clips}-{args.seed}-{args.max_seconds}")
 
 
-def clip_options(ap: argparse.ArgumentParser) -> None:
-    """The options that name the collection of clips (this script's, and video_order.py's, which reuses it)."""
+def clip_main(description: str, results: tuple[str, str], run: Callable[[argparse.Namespace], None],
+              more: Callable[[argparse.ArgumentParser], None] = lambda ap: None) -> None:
+    """The command line of a benchmark of the clip collection (this one, video_order.py): e2e's
+    collection options, the options naming the clips, `more`, then `run(args)`; a GlmVitError is
+    one line and exit status 1."""
+    ap = collection_options(description, results)
     ap.add_argument("--clips", type=int, default=8, help="clips in the collection")
     ap.add_argument("--max-seconds", type=int, default=120, help="the longest a clip may be (at least 10)")
+    more(ap)
+    try:
+        run(ap.parse_args())
+    except GlmVitError as exc:
+        sys.exit(f"{Path(sys.argv[0]).stem}: error: {exc}")
 
 
-def main() -> None:
-    ap = collection_options(__doc__, ("h200-video.json", "cpu-video.json"))
-    clip_options(ap)
+def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-minutes", type=float, default=10.0, help="length of the memory run's 1080p clip")
     ap.add_argument("--hf-clips", type=int, default=3, help="clips transformers runs on, spread over the collection")
     ap.add_argument("--prepare-only", action="store_true",
                     help="make the clips (step 1) and stop: a later run reuses them, so a device session can make "
                          "them in the background while its GPU does other work")
-    try:
-        run(ap.parse_args())
-    except GlmVitError as exc:
-        sys.exit(f"video: error: {exc}")
 
 
 if __name__ == "__main__":
-    main()
+    clip_main(__doc__, ("h200-video.json", "cpu-video.json"), run, options)

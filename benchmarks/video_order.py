@@ -26,14 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from video import (REPO, clip_collection, clip_options, prepare_clips,  # puts the repo and tests/ on sys.path
+from video import (REPO, clip_collection, clip_main, prepare_clips,  # puts the repo and tests/ on sys.path
                    video_batches)
 
-from e2e import check_same_work, collection_options, environment, forward_passes, read_records, run_cli, save
+from e2e import check_same_work, environment, forward_passes, read_records, run_cli, save
 from footage import build_clips
 
 from glmvit_cupy import GlmVit
-from glmvit_cupy.errors import GlmVitError
 from glmvit_cupy.processor.video import video_config
 
 
@@ -102,15 +101,6 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = collection_options(__doc__, ("h200-video-order.json", "cpu-video-order.json"))
-    clip_options(ap)
-    ap.add_argument("--few-workers", type=int, default=4, help="decode workers of run 4 [default: 4]")
-    try:
-        run(ap.parse_args())
-    except GlmVitError as exc:
-        sys.exit(f"video_order: error: {exc}")
-
-
 if __name__ == "__main__":
-    main()
+    clip_main(__doc__, ("h200-video-order.json", "cpu-video-order.json"), run,
+              lambda ap: ap.add_argument("--few-workers", type=int, default=4, help="decode workers of run 4 [default: 4]"))
