@@ -23,10 +23,11 @@ One staging buffer and one device output buffer suffice (each is read early in, 
 late in, a forward); the host side has two slots of each so that filling one never waits.
 The NumPy backend has the same interface and does the work in `submit`.
 
-A batch's pixels are a list: an image's canvas [H, W, 3] (grid row (1, h, w): its one frame
-stands for both of a patch's temporal frames, as the image processor repeats it), or a run of
-a video's frames on their canvas [2g, H, W, 3] (grid row (g, h, w): g temporal groups of two
-frames). Each kind is normalised with its own processor's table: the image processor's
+A batch's pixels are a list, in the order of the grid's rows: an image's canvas [H, W, 3] (grid
+row (1, h, w): its one frame stands for both of a patch's temporal frames, as the image processor
+repeats it), or a video's frames on their canvas [2k, H, W, 3], k temporal groups of two frames
+(a grid row (g, h, w) may come as several such arrays, whose k add up to g: the pipeline passes a
+video's groups as they were received, never joined). Each kind is normalised with its own processor's table: the image processor's
 (preprocess.pixel_table) and the video processor's (video.video_pixel_table), whose arithmetic
 differs in the last bits. The stager of a run that takes videos is made with the video
 settings, and holds room for two frames a patch.
