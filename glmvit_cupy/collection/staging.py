@@ -68,14 +68,18 @@ def host_cast(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def finite_rows(array, dtype: str):
     """Per row of an output in `dtype` (NumPy or CuPy): True where it holds no NaN or Inf (BF16
-    as its bits: the exponent all ones). A float16 output that overflowed is not finite either."""
-    if dtype == "bfloat16":
-        return ((array & 0x7F80) != 0x7F80).all(axis=1)
+    as its bits: the exponent all ones). A float16 output that overflowed is not finite either.
+    The array module's own functions, not operators: a CuPy array's `&` or `!=` with a Python
+    int goes through NumPy's ufunc and CuPy's __array_ufunc__, whose first call imports
+    cupyx.scipy.special (with it scipy.sparse and numpy.f2py: ~1.2 s of a run's first batch on
+    the H200, benchmarks/NOTES.md)."""
     if isinstance(array, np.ndarray):
-        return np.isfinite(array).all(axis=1)
-    import cupy
-
-    return cupy.isfinite(array).all(axis=1)
+        xp = np
+    else:
+        import cupy as xp
+    if dtype == "bfloat16":
+        return xp.not_equal(xp.bitwise_and(array, 0x7F80), 0x7F80).all(axis=1)
+    return xp.isfinite(array).all(axis=1)
 
 
 def _up(n: int) -> int:
