@@ -7,6 +7,7 @@ write the same bits; the decode pool's frame budget holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,8 +24,9 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import GlmVit
-from glmvit_cupy.collection.clips import FrameBudget
-from glmvit_cupy.collection.pipeline import Decoder, plan_pieces
+from glmvit_cupy.collection import pipeline
+from glmvit_cupy.collection.clips import FrameBudget, Groups, wait_for_any
+from glmvit_cupy.collection.pipeline import Decoder, encode_prepared, plan_pieces
 from glmvit_cupy.collection.shards import read_embeddings
 from glmvit_cupy.collection.sources import Source, expand_inputs
 from glmvit_cupy.processor.preprocess import ProcessorConfig
@@ -80,6 +82,15 @@ def collection(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vit(ckpt):
     return GlmVit.from_pretrained(ckpt, backend="numpy", max_pixels=PATCHES * 14 * 14)
+
+
+def as_they_come(groups):
+    """A video's groups in order, each waited for, as the pipeline takes them (clips.Groups)."""
+    while True:
+        wait_for_any([groups])
+        if (group := groups.pop()) is None:
+            return
+        yield group
 
 
 def encode(collection: Path, out: Path, ckpt: Path, *extra: str):
@@ -253,7 +264,7 @@ def test_the_frame_budget_holds_back_videos_decoded_ahead(collection):
     try:
         for prepared in decoder.map(items):
             taken = []
-            for group in prepared.groups:
+            for group in as_they_come(prepared.groups):
                 taken.append(group)
                 prepared.groups.staged(group.nbytes)
             got.append((prepared, np.concatenate(taken) if taken else None))
@@ -290,7 +301,7 @@ def test_an_abandoned_video_gives_its_frames_back(collection):
     budget = decoder.pool.budget
     try:
         prepared = next(iter(decoder.map([Source(str(collection / "a.mp4"))])))
-        first = next(iter(prepared.groups))
+        first = next(as_they_come(prepared.groups))
         assert budget.held >= first.nbytes
         prepared.groups.abandon()
     finally:
@@ -461,7 +472,7 @@ def test_a_worker_killed_mid_video_fails_that_video_alone(collection, tmp_path):
     try:
         prepared = decoder.map(items)
         video = next(prepared)
-        groups = iter(video.groups)
+        groups = as_they_come(video.groups)
         first = next(groups)
         video.groups.staged(first.nbytes)
         (worker,) = [pid for pid in _decode_children(os.getpid()) if pid not in others]
@@ -477,3 +488,79 @@ def test_a_worker_killed_mid_video_fails_that_video_alone(collection, tmp_path):
     want = Decoder(0, ProcessorConfig(), video=config).map(items[1:])
     assert after.error is None and np.array_equal(after.canvas, next(want).canvas)
     assert budget.held == 0
+
+
+def _streamed(prep, budget: FrameBudget, ticket: str):
+    """A whole-decoded video's Prepared as a decode pool hands it over: its groups still to come."""
+    groups = Groups(prep.canvas.shape, 2, budget, ticket)
+    return dataclasses.replace(prep, canvas=None, groups=groups), prep.canvas
+
+
+def _arrive(groups, frames) -> None:
+    for i in range(0, len(frames), 2):
+        groups.take(frames[i:i + 2].nbytes)
+        groups.received(frames[i:i + 2])
+    groups.end()
+
+
+@pytest.mark.parametrize("ahead_groups", [None, 1])
+def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection, vit, monkeypatch, ahead_groups):
+    """While no frame of the first video has come, the stream places the groups of the video after
+    it (whose rows it holds until their turn), at most ROW_BYTES_AHEAD of rows; the results leave in
+    input order, each equal to the video encoded alone."""
+    config = VideoConfig(max_image_tokens=2000)
+    items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
+    decode = lambda: list(Decoder(0, ProcessorConfig(), video=config).map(items))  # noqa: E731
+    options = dict(outputs=("pooler_output",), dtype="float32", video=config)
+    alone = [list(encode_prepared(vit, [(item, prep)], **options))[0] for item, prep in zip(items, decode())]
+    b_groups = alone[1].grid_thw[0]
+    if ahead_groups is not None:  # the rows of one of b's groups
+        b_rows = alone[1].grid_thw[1] * alone[1].grid_thw[2] // vit.geometry.merge_unit
+        monkeypatch.setattr(pipeline, "ROW_BYTES_AHEAD", ahead_groups * b_rows * vit.geometry.out_hidden_size * 4)
+    budget = FrameBudget()
+    (a, a_frames), (b, b_frames) = [_streamed(p, budget, n) for p, n in zip(decode(), "ab")]
+    _arrive(b.groups, b_frames)  # b decoded at once, a not yet begun
+    results = []
+    stream = threading.Thread(target=lambda: results.extend(
+        encode_prepared(vit, zip(items, [a, b]), decoders=2, **options)), daemon=True)
+    stream.start()
+    want_placed = b_groups if ahead_groups is None else ahead_groups
+    deadline = time.monotonic() + 30
+    while b_groups - len(b.groups.waiting) < want_placed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # and no more than that
+    assert b_groups - len(b.groups.waiting) == want_placed and not results
+    _arrive(a.groups, a_frames)
+    stream.join(60)
+    assert [r.item for r in results] == items and all(r.error is None for r in results)
+    for got, want in zip(results, alone):
+        assert np.array_equal(got.grid_thw, want.grid_thw)
+        assert np.array_equal(got.arrays["pooler_output"], want.arrays["pooler_output"])
+    assert budget.held == 0
+
+
+def test_a_later_input_is_taken_only_once_its_decode_has_surely_begun(collection, vit):
+    """With its one decoder busy with the first video, the stream takes the next input only once
+    that video's frames have all come: a pool starts inputs in order, so taking it earlier would
+    wait for that worker, while the video's frames, unplaced meanwhile, fill the frame budget."""
+    config = VideoConfig(max_image_tokens=2000)
+    items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
+    budget = FrameBudget()
+    (a, a_frames), (b, b_frames) = [_streamed(p, budget, n) for p, n in
+                                     zip(Decoder(0, ProcessorConfig(), video=config).map(items), "ab")]
+    _arrive(b.groups, b_frames)
+    asked = []
+
+    def source():
+        yield items[0], a
+        asked.append(a.groups.ended)
+        yield items[1], b
+
+    results = []
+    stream = threading.Thread(target=lambda: results.extend(encode_prepared(
+        vit, source(), outputs=("pooler_output",), dtype="float32", video=config, decoders=1)), daemon=True)
+    stream.start()
+    time.sleep(0.3)
+    _arrive(a.groups, a_frames)
+    stream.join(60)
+    assert asked == [True] and [r.item for r in results] == items and all(r.error is None for r in results)

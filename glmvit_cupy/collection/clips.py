@@ -14,6 +14,8 @@ only a video needs is here:
   video is packed while it decodes and no process holds its frames whole.
 - `FrameBudget`: the bytes of such groups the main process may hold, received and not yet
   staged, so that decode workers running ahead on long videos cannot fill memory.
+- `wait_for_any`: the pipeline's wait when the video it is on has no group yet and none of the
+  later videos it may pack meanwhile has one either.
 - `ClipInfo`: what a video's shard record says beyond an image's (`"kind": "video"`, frames
   sampled, the source's frame rate, each temporal group's timestamp).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -88,7 +90,9 @@ class FrameBudget:
         self.changed = threading.Condition()
 
     def head(self, ticket: Any) -> None:
-        """`ticket` (a decode's future) is the input the pipeline is now on."""
+        """`ticket` (a decode's future) is the input the pipeline waits for first (Decoder.map
+        names each input it hands over; the pipeline names again the earliest video whose
+        frames still come, when it has taken later inputs)."""
         with self.changed:
             self._head = ticket
             self.changed.notify_all()
@@ -162,16 +166,25 @@ class Groups:
                 self._give(lost)
             self.lock.notify_all()
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        """The groups in order as they come; then `error` says whether all came."""
-        while True:
-            with self.lock:
-                self.lock.wait_for(lambda: self.waiting or self.ended)
-                if not self.waiting:
-                    return
-                group = self.waiting.popleft()
-                self.lock.notify_all()  # none waiting: the receiving thread may go ahead of the budget
-            yield group
+    def lead(self) -> None:
+        """This video is the one the pipeline waits for first: its frames go ahead of the budget."""
+        if self.budget is not None:
+            self.budget.head(self.ticket)
+
+    def pop(self) -> np.ndarray | None:
+        """The next group if it has come (never waits)."""
+        with self.lock:
+            if not self.waiting:
+                return None
+            group = self.waiting.popleft()
+            self.lock.notify_all()  # none waiting: the receiving thread may go ahead of the budget
+            return group
+
+    @property
+    def finished(self) -> bool:
+        """All groups came (or decoding failed part way) and all were taken."""
+        with self.lock:
+            return self.ended and not self.waiting
 
     def staged(self, nbytes: int) -> None:
         """A group taken has been staged: its bytes are free."""
@@ -190,3 +203,12 @@ class Groups:
         if self.budget is not None and nbytes:
             self.held -= nbytes
             self.budget.give(nbytes)
+
+
+def wait_for_any(groups: Sequence[Groups]) -> None:
+    """Until one of `groups` has a group waiting or has ended. A stream's videos from a decode
+    pool share its budget's condition, which every receipt and end notifies; one decoded whole
+    (Groups.whole, a condition of its own) has ended already."""
+    lock = groups[0].lock
+    with lock:
+        lock.wait_for(lambda: any(g.waiting or g.ended for g in groups))

@@ -13,7 +13,10 @@ nor with a video's length. Workers hand over uint8 pixels: an image's canvas
 (preprocess.canvas), or a video's sampled frames on their canvas, streamed a frame at a time
 (clips.py); the engine patchifies them itself (staging.py). The packer deals in temporal
 groups (an image is one) and takes a video's as they arrive: where a batch fills, the video is
-cut between groups and continued in the next (exact: attention never crosses a group). Its
+cut between groups and continued in the next (exact: attention never crosses a group). While
+the video it is on has no group waiting (one worker decodes a video, often slower than the
+engine takes it), it packs the groups of the inputs after it, their rows held until their turn
+(at most ROW_BYTES_AHEAD). Its
 pieces' rows are joined again in time order, or, for a collection's shards, leave one batch's
 at a time (Part) and are written into the shard as they come. Workers are processes
 (workers.Child: fresh interpreters that die with their parent): the decode is CPU-bound
@@ -52,11 +55,15 @@ from ..workers import Child, usable_cpus
 from .clips import ClipInfo, FrameBudget, Groups
 from .shards import FORMAT, BackgroundWriter, OutputDir, ShardWriter
 from .sources import Source
-from .staging import OUTPUT_NAMES, check_dtype, make_stager
+from .staging import DTYPES, OUTPUT_NAMES, check_dtype, make_stager
 
 DEFAULT_WORKERS = max(1, usable_cpus() - 1)  # all usable cores but one: the engine's host thread
 OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",), "both": OUTPUT_NAMES}
 DEFAULT_OUTPUT = "pooler"  # the merger's output: what the LM splices in
+# Rows a stream may hold of inputs after the first video whose frames still come: while one
+# worker decodes that video slower than the engine takes it, the groups of later inputs keep
+# the engine busy, their rows held until their turn (2 GiB: 262,144 tokens of the bf16 pooler).
+ROW_BYTES_AHEAD = 2 << 30
 
 
 @dataclasses.dataclass
@@ -506,8 +513,11 @@ class _Slot:
 
     item: Any
     prep: Prepared
+    index: int = 0  # in the stream's input order
     grid: tuple[int, int, int] = (0, 0, 0)
     waiting: deque = dataclasses.field(default_factory=deque)  # groups placed, not yet staged
+    groups_placed: int = 0
+    tokens_placed: int = 0
     pieces: int = 0  # placed by the packer
     placed: bool = False  # all of them
     collected: int = 0
@@ -590,6 +600,7 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
     try:
         mine, theirs = itertools.tee(items)  # the decoder runs at most its window ahead of us
         yield from encode_prepared(vit, zip(mine, decoder.map(theirs, processor)), outputs=outputs, dtype=dtype,
+                                   decoders=decoder.workers,
                                    processor=processor, stats=stats, stager=stager, video=decoder.video,
                                    parts=parts)
     finally:
@@ -600,14 +611,20 @@ def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT
 def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: Sequence[str] = OUTPUT_NAMES,
                     dtype: str = "float32", processor: ProcessorConfig | None = None,
                     stats: StreamStats | None = None, stager: Any = None,
-                    video: VideoConfig | None = None, parts: bool = False) -> Iterator[Encoded | Part]:
+                    video: VideoConfig | None = None, parts: bool = False,
+                    decoders: int = 0) -> Iterator[Encoded | Part]:
     """The engine's half of a stream: inputs already decoded ((input, its Prepared), in input
     order; a video's with the `video` settings it was decoded with) packed by the Packer into
     forward batches of at most vit.p_max patches, two on the stager at a time, and yielded as
     Encoded in input order. A video's groups are placed as its decode worker sends them (its
-    Prepared's Groups), each let go once staged. `parts`: a video's rows leave as Parts as
-    each batch is collected, not joined (a collection's shards take them so). The Ray actors
-    run it on the canvases of their decode stage."""
+    Prepared's Groups), each let go once staged. While the first video still arriving has no
+    group waiting, the groups of later inputs are placed (their rows held until their turn, at
+    most ROW_BYTES_AHEAD), so a video decoded slower than the engine runs does not idle it;
+    `decoders`: how many inputs the source of `prepared` decodes at once (Decoder.workers), of
+    which later inputs are taken only while fewer videos arrive (0: none is taken meanwhile).
+    `parts`: a video's rows leave as Parts as each batch is collected, not joined (a
+    collection's shards take them so). The Ray actors run it on the canvases of their decode
+    stage."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     check_dtype(dtype)
@@ -617,8 +634,10 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
     stager = stager or make_stager(vit, processor, video)
     for engine in range(stager.engines):
         stats.gpu_ms.setdefault(engine, 0.0)
-    temporal = processor.temporal_patch_size
+    temporal, merge = processor.temporal_patch_size, vit.geometry.merge_unit
+    rows_ahead = ROW_BYTES_AHEAD // (len(outputs) * vit.geometry.out_hidden_size * np.dtype(DTYPES[dtype][0]).itemsize)
     order: deque[_Slot] = deque()  # in input order
+    arriving: list[_Slot] = []  # videos whose groups still come, in input order
     packer = Packer(vit.p_max)
     in_flight: deque[tuple[Any, list[Piece]]] = deque()
 
@@ -657,12 +676,15 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
             if slot.placed and slot.collected == slot.pieces:
                 slot.finish(stats, number)
 
-    def place(slot: _Slot, first: int, groups: int) -> None:
-        """Pack the input's groups [first, groups), submitting each batch that closes (k + 1
-        uploads while k computes)."""
+    def place(slot: _Slot, group: np.ndarray) -> None:
+        """Pack the input's next group, submitting each batch that closes (k + 1 uploads while
+        k computes)."""
         _, h, w = slot.grid
-        closed, pieces = packer.add(slot, groups, h * w, first)
+        slot.waiting.append(group)
+        closed, pieces = packer.add(slot, slot.groups_placed + 1, h * w, slot.groups_placed)
         slot.pieces += pieces
+        slot.groups_placed += 1
+        slot.tokens_placed += h * w // merge
         for batch in closed:
             submit(batch)
             while len(in_flight) >= stager.depth:
@@ -679,8 +701,14 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 return
             yield order.popleft().result
 
-    def admit(slot: _Slot) -> Iterator[Encoded | Part]:
-        """Place an input's groups (a video's as they come, yielding what is ready meanwhile)."""
+    def placed(slot: _Slot) -> None:
+        """All the input's groups are placed (or none will be: it failed)."""
+        slot.placed = True
+        if slot.collected == slot.pieces:  # none in flight (or none placed: it failed at once)
+            slot.finish(stats, stats.batches - 1 if slot.pieces else None)
+
+    def admit(slot: _Slot) -> None:
+        """An image is placed; a video joins `arriving`, its groups placed as they come (feed)."""
         prep = slot.prep
         if prep.error is not None:
             slot.fail(prep.error)
@@ -698,25 +726,70 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 prep.groups.abandon()
             return
         if prep.groups is None:
-            slot.waiting.append(prep.canvas)
-            prep.canvas = None  # the batch holds it
-            place(slot, 0, 1)
+            canvas_, prep.canvas = prep.canvas, None  # the batch holds it
+            place(slot, canvas_)
+            placed(slot)
         else:
-            for i, group in enumerate(prep.groups):
-                slot.waiting.append(group)
-                place(slot, i, i + 1)
+            arriving.append(slot)
+
+    def room() -> int:
+        """Merged tokens that may still be placed for inputs after the first video arriving."""
+        first = arriving[0].index
+        return rows_ahead - sum(s.tokens_placed for s in order if s.index > first)
+
+    def placeable(slot: _Slot) -> int | None:
+        """How many of the video's groups may be placed now (None: all)."""
+        if slot is arriving[0]:
+            return None
+        return max(0, room()) // (slot.grid[1] * slot.grid[2] // merge)
+
+    def feed() -> Iterator[Encoded | Part]:
+        """Place the groups that have come of the videos arriving, in input order, a later
+        video's within `rows_ahead`; a video all of whose groups came leaves `arriving`.
+        Returns whether anything was placed or left."""
+        moved = False
+        for slot in list(arriving):
+            groups, limit = slot.prep.groups, placeable(slot)
+            while limit is None or limit > 0:
+                group = groups.pop()
+                if group is None:
+                    break
+                place(slot, group)
+                moved = True
+                limit = None if limit is None else limit - 1
                 yield from ready()
-            slot.error = slot.error or prep.groups.error
-        slot.placed = True
-        if slot.collected == slot.pieces:  # none in flight (or none placed: it failed at once)
-            slot.finish(stats, stats.batches - 1 if slot.pieces else None)
+            if groups.finished:
+                arriving.remove(slot)
+                slot.error = slot.error or groups.error
+                placed(slot)
+                moved = True
+                if arriving:
+                    arriving[0].prep.groups.lead()
+        return moved
 
     try:
-        for item, prep in prepared:
-            slot = _Slot(item, prep)
-            order.append(slot)
-            yield from admit(slot)
+        inputs, more = enumerate(prepared), True
+        while True:
+            moved = yield from feed()
             yield from ready()
+            # A later input is taken while videos arrive only if its decode has surely begun (the
+            # pool starts inputs in order): else taking it could wait for a worker still busy
+            # with a video whose frames, unplaced meanwhile, hold the frame budget.
+            if more and (not arriving or (room() > 0 and sum(not s.prep.groups.ended for s in arriving) < decoders)):
+                index, (item, prep) = next(inputs, (None, (None, None)))
+                if index is None:
+                    more = False
+                    continue
+                slot = _Slot(item, prep, index)
+                order.append(slot)
+                admit(slot)
+                if arriving:  # Decoder.map named the input it handed over; the stream waits for this one
+                    arriving[0].prep.groups.lead()
+                continue
+            if not arriving:
+                break
+            if not moved:
+                clips.wait_for_any([s.prep.groups for s in arriving if placeable(s) != 0])
         if last := packer.close():
             submit(last)
         while in_flight:
