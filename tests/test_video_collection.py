@@ -350,8 +350,10 @@ def test_interrupted_mid_video_resumes_to_the_same_outputs(ckpt, tmp_path, sig, 
     whole = subprocess.run([*args, "--out-dir", str(tmp_path / "whole")], capture_output=True, text=True)
     assert whole.returncode == 0 and "encoded 3, skipped 0" in whole.stderr, whole.stderr
     out = tmp_path / "out"
+    # Ctrl-C's default in the run: a shell starting pytest in the background leaves SIGINT ignored,
+    # which children inherit, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([*args, "--out-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline, shard, image = time.time() + 120, 1 if shard_size == 1 else 0, 0
     while time.time() < deadline and proc.poll() is None:
         if shard == 1 and (out / "shard-00000.jsonl").exists() and _rows_written(out, 1, 0):
