@@ -294,6 +294,25 @@ def test_the_frame_budget_lets_the_head_through_when_it_is_waited_for():
     assert done.wait(5) and budget.held == 90
 
 
+def test_an_abandoned_videos_frames_never_wait_for_room():
+    """A video the pipeline abandoned (it failed, or the stream stopped) is still decoded to its
+    end by its worker: its frames are received and let go without waiting for room in a full
+    budget, also when abandoned while waiting, so that worker frees for the inputs behind it."""
+    budget = FrameBudget(limit=100)
+    budget.take("a", 100)
+    gone = Groups((4, 2, 2, 3), 2, budget, "gone")
+    gone.abandon()
+    done = threading.Event()
+    threading.Thread(target=lambda: (gone.take(50), done.set()), daemon=True).start()
+    assert done.wait(5) and budget.held == 100 and gone.held == 0
+    later = Groups((4, 2, 2, 3), 2, budget, "later")
+    done.clear()
+    threading.Thread(target=lambda: (later.take(50), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # waits for room
+    later.abandon()
+    assert done.wait(5) and budget.held == 100 and later.held == 0
+
+
 def test_an_abandoned_video_gives_its_frames_back(collection):
     """A stream that stops mid-video (its consumer gone) leaves the budget as it found it: the
     groups waiting and those still to come are dropped, their bytes back."""

@@ -97,13 +97,20 @@ class FrameBudget:
             self._head = ticket
             self.changed.notify_all()
 
-    def take(self, ticket: Any, nbytes: int, waited: Callable[[], bool] = lambda: False) -> None:
-        """Room for `nbytes` of `ticket`'s frames; `waited()`: the pipeline waits for them."""
+    def take(self, ticket: Any, nbytes: int, waited: Callable[[], bool] = lambda: False,
+             dropped: Callable[[], bool] = lambda: False) -> bool:
+        """Room for `nbytes` of `ticket`'s frames (True); `waited()`: the pipeline waits for them.
+        False, without room, once `dropped()`: nobody takes them (an abandoned video, whose frames
+        are received and let go), so they never wait, and the worker decoding them never holds up
+        the inputs queued behind it."""
         with self.changed:
-            self.changed.wait_for(lambda: self.held + nbytes <= self.limit or self._released
+            self.changed.wait_for(lambda: self.held + nbytes <= self.limit or self._released or dropped()
                                   or (ticket is self._head and waited()))
+            if dropped():
+                return False
             self.held += nbytes
             self.peak = max(self.peak, self.held)
+            return True
 
     def give(self, nbytes: int) -> None:
         with self.changed:
@@ -119,7 +126,7 @@ class FrameBudget:
 class Groups:
     """A video's temporal groups (of its frames' `shape` [T, H, W, 3]), uint8 [temporal, H, W,
     3] each, in time order: put by the receiving thread as its decode worker sends them
-    (`received`, then `end`), taken by the packer (iteration, which waits for each). Each holds `budget` bytes from its receipt
+    (`received`, then `end`), taken by the packer (`pop`; `wait_for_any` waits for one). Each holds `budget` bytes from its receipt
     until the packer has staged it (`staged`). `abandon`: nobody will take the rest (the
     pipeline stopped): what waits and what still comes gives its bytes back at once."""
 
@@ -142,11 +149,11 @@ class Groups:
 
     def take(self, nbytes: int) -> None:
         """Room in the budget for the next group (the receiving thread, before receiving it)."""
-        if self.budget is None:
+        if self.budget is None or not self.budget.take(self.ticket, nbytes, lambda: not self.waiting,
+                                                         lambda: self.abandoned):
             return
-        self.budget.take(self.ticket, nbytes, lambda: not self.waiting or self.abandoned)
         with self.lock:
-            if self.abandoned:  # nobody takes it: the bytes go back at once
+            if self.abandoned:  # abandoned since: the bytes go back at once
                 self.budget.give(nbytes)
             else:
                 self.held += nbytes
@@ -198,6 +205,7 @@ class Groups:
                 self.abandoned = True
                 self._give(self.held)
                 self.waiting.clear()
+                self.lock.notify_all()  # a receiving thread waiting for room lets its frames go
 
     def _give(self, nbytes: int) -> None:
         if self.budget is not None and nbytes:
