@@ -638,6 +638,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
     rows_ahead = ROW_BYTES_AHEAD // (len(outputs) * vit.geometry.out_hidden_size * np.dtype(DTYPES[dtype][0]).itemsize)
     order: deque[_Slot] = deque()  # in input order
     arriving: list[_Slot] = []  # videos whose groups still come, in input order
+    ahead = 0  # merged tokens placed of the inputs after arriving[0] (their rows are held)
     packer = Packer(vit.p_max)
     in_flight: deque[tuple[Any, list[Piece]]] = deque()
 
@@ -679,12 +680,15 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
     def place(slot: _Slot, group: np.ndarray) -> None:
         """Pack the input's next group, submitting each batch that closes (k + 1 uploads while
         k computes)."""
+        nonlocal ahead
         _, h, w = slot.grid
         slot.waiting.append(group)
         closed, pieces = packer.add(slot, slot.groups_placed + 1, h * w, slot.groups_placed)
         slot.pieces += pieces
         slot.groups_placed += 1
         slot.tokens_placed += h * w // merge
+        if arriving and slot.index > arriving[0].index:
+            ahead += h * w // merge
         for batch in closed:
             submit(batch)
             while len(in_flight) >= stager.depth:
@@ -709,6 +713,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
 
     def admit(slot: _Slot) -> None:
         """An image is placed; a video joins `arriving`, its groups placed as they come (feed)."""
+        nonlocal ahead
         prep = slot.prep
         if prep.error is not None:
             slot.fail(prep.error)
@@ -731,11 +736,12 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
             placed(slot)
         else:
             arriving.append(slot)
+            if len(arriving) == 1:  # the first: no input after it is placed yet
+                ahead = 0
 
     def room() -> int:
         """Merged tokens that may still be placed for inputs after the first video arriving."""
-        first = arriving[0].index
-        return rows_ahead - sum(s.tokens_placed for s in order if s.index > first)
+        return rows_ahead - ahead
 
     def placeable(slot: _Slot) -> int | None:
         """How many of the video's groups may be placed now (None: all)."""
@@ -747,6 +753,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
         """Place the groups that have come of the videos arriving, in input order, a later
         video's within `rows_ahead`; a video all of whose groups came leaves `arriving`.
         Returns whether anything was placed or left."""
+        nonlocal ahead
         moved = False
         for slot in list(arriving):
             groups, limit = slot.prep.groups, placeable(slot)
@@ -759,12 +766,15 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 limit = None if limit is None else limit - 1
                 yield from ready()
             if groups.finished:
+                lead = slot is arriving[0]
                 arriving.remove(slot)
                 slot.error = slot.error or groups.error
                 placed(slot)
                 moved = True
-                if arriving:
-                    arriving[0].prep.groups.lead()
+                if lead and arriving:  # the inputs after the new first are those held ahead now
+                    first = arriving[0]
+                    ahead = sum(s.tokens_placed for s in order if s.index > first.index)
+                    first.prep.groups.lead()
         return moved
 
     try:
