@@ -28,16 +28,23 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def _status_kib(pid: int, keys: tuple[str, ...]) -> tuple[int, ...] | None:
+    """These lines of the process's /proc status, KiB; None if it ended or is a zombie without them."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        return tuple(int(status[k].split()[0]) for k in keys)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def tree_memory(pid: int, own: bool = False) -> tuple[int, int, int]:
     """(RSS summed over the tree, the highest VmHWM of a descendant, processes counted), KiB; with
     own=True the process alone. The sum counts shared pages once per process, so it overstates."""
     total, largest, alive = 0, 0, 0
     for member in [pid] if own else process_tree(pid):
-        try:
-            status = dict(line.split(":", 1) for line in Path(f"/proc/{member}/status").read_text().splitlines())
-            rss, hwm = (int(status[k].split()[0]) for k in ("VmRSS", "VmHWM"))
-        except (OSError, KeyError, ValueError):  # ended, or a zombie without memory lines
+        if (values := _status_kib(member, ("VmRSS", "VmHWM"))) is None:
             continue
+        rss, hwm = values
         total += rss
         alive += 1
         if member != pid:
@@ -50,12 +57,9 @@ def tree_rss_kinds(pid: int) -> dict[str, int]:
     shmem (shared memory: a page is counted once per process that maps it) and file."""
     kinds = {"anon": 0, "shmem": 0, "file": 0}
     for member in process_tree(pid):
-        try:
-            status = dict(line.split(":", 1) for line in Path(f"/proc/{member}/status").read_text().splitlines())
-            values = {kind: int(status[f"Rss{kind.capitalize()}"].split()[0]) for kind in kinds}
-        except (OSError, KeyError, ValueError):  # ended, or a zombie without memory lines
+        if (values := _status_kib(member, tuple(f"Rss{kind.capitalize()}" for kind in kinds))) is None:
             continue
-        for kind, kib in values.items():
+        for kind, kib in zip(kinds, values):
             kinds[kind] += kib
     return kinds
 
