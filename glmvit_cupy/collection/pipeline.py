@@ -517,7 +517,6 @@ class _Slot:
     grid: tuple[int, int, int] = (0, 0, 0)
     waiting: deque = dataclasses.field(default_factory=deque)  # groups placed, not yet staged
     groups_placed: int = 0
-    tokens_placed: int = 0
     pieces: int = 0  # placed by the packer
     placed: bool = False  # all of them
     collected: int = 0
@@ -686,9 +685,8 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
         closed, pieces = packer.add(slot, slot.groups_placed + 1, h * w, slot.groups_placed)
         slot.pieces += pieces
         slot.groups_placed += 1
-        slot.tokens_placed += h * w // merge
         if arriving and slot.index > arriving[0].index:
-            ahead += h * w // merge
+            ahead += group_tokens(slot)
         for batch in closed:
             submit(batch)
             while len(in_flight) >= stager.depth:
@@ -739,6 +737,9 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
             if len(arriving) == 1:  # the first: no input after it is placed yet
                 ahead = 0
 
+    def group_tokens(slot: _Slot) -> int:
+        return slot.grid[1] * slot.grid[2] // merge
+
     def room() -> int:
         """Merged tokens that may still be placed for inputs after the first video arriving."""
         return rows_ahead - ahead
@@ -747,7 +748,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
         """How many of the video's groups may be placed now (None: all)."""
         if slot is arriving[0]:
             return None
-        return max(0, room()) // (slot.grid[1] * slot.grid[2] // merge)
+        return max(0, room()) // group_tokens(slot)
 
     def feed() -> Iterator[Encoded | Part]:
         """Place the groups that have come of the videos arriving, in input order, a later
@@ -773,7 +774,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 moved = True
                 if lead and arriving:  # the inputs after the new first are those held ahead now
                     first = arriving[0]
-                    ahead = sum(s.tokens_placed for s in order if s.index > first.index)
+                    ahead = sum(s.groups_placed * group_tokens(s) for s in order if s.index > first.index)
                     first.prep.groups.lead()
         return moved
 
