@@ -26,7 +26,7 @@ import pytest
 from glmvit_cupy import GlmVit
 from glmvit_cupy.collection import pipeline
 from glmvit_cupy.collection.clips import FrameBudget, Groups, wait_for_any
-from glmvit_cupy.collection.pipeline import Decoder, encode_prepared, plan_pieces
+from glmvit_cupy.collection.pipeline import Decoder, Encoded, Part, encode_prepared, plan_pieces
 from glmvit_cupy.collection.shards import read_embeddings
 from glmvit_cupy.collection.sources import Source, expand_inputs
 from glmvit_cupy.processor.preprocess import ProcessorConfig
@@ -524,11 +524,15 @@ def _arrive(groups, frames) -> None:
     groups.end()
 
 
+@pytest.mark.parametrize("parts", [False, True])
 @pytest.mark.parametrize("ahead_groups", [None, 1])
-def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection, vit, monkeypatch, ahead_groups):
+def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection, vit, monkeypatch, ahead_groups,
+                                                                      parts):
     """While no frame of the first video has come, the stream places the groups of the video after
     it (whose rows it holds until their turn), at most ROW_BYTES_AHEAD of rows; the results leave in
-    input order, each equal to the video encoded alone."""
+    input order, each equal to the video encoded alone. In a stream of parts, a video all of whose
+    batches came back while it was held ahead leaves as Parts too, never joined (a join would copy
+    up to ROW_BYTES_AHEAD on the thread feeding the engine)."""
     config = VideoConfig(max_image_tokens=2000)
     items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
     decode = lambda: list(Decoder(0, ProcessorConfig(), video=config).map(items))  # noqa: E731
@@ -543,7 +547,7 @@ def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection
     _arrive(b.groups, b_frames)  # b decoded at once, a not yet begun
     results = []
     stream = threading.Thread(target=lambda: results.extend(
-        encode_prepared(vit, zip(items, [a, b]), decoders=2, **options)), daemon=True)
+        encode_prepared(vit, zip(items, [a, b]), decoders=2, parts=parts, **options)), daemon=True)
     stream.start()
     want_placed = b_groups if ahead_groups is None else ahead_groups
     deadline = time.monotonic() + 30
@@ -553,10 +557,14 @@ def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection
     assert b_groups - len(b.groups.waiting) == want_placed and not results
     _arrive(a.groups, a_frames)
     stream.join(60)
-    assert [r.item for r in results] == items and all(r.error is None for r in results)
-    for got, want in zip(results, alone):
+    encoded = [r for r in results if isinstance(r, Encoded)]
+    assert [r.item for r in encoded] == items and all(r.error is None for r in encoded)
+    for got, want in zip(encoded, alone):
+        rows = [r.arrays["pooler_output"] for r in results if isinstance(r, Part) and r.item is got.item]
         assert np.array_equal(got.grid_thw, want.grid_thw)
-        assert np.array_equal(got.arrays["pooler_output"], want.arrays["pooler_output"])
+        assert np.array_equal(np.concatenate(rows + [got.arrays["pooler_output"]]), want.arrays["pooler_output"])
+    if parts:  # b's four groups took two forward batches: the first's rows left as a Part
+        assert len(encoded[1].arrays["pooler_output"]) < len(alone[1].arrays["pooler_output"])
     assert budget.held == 0
 
 

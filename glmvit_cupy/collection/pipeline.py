@@ -529,19 +529,26 @@ class _Slot:
         prep = self.prep
         self.result = Encoded(self.item, None, None, error, prep.nbytes, prep.sha256, prep.video)
 
-    def finish(self, stats: StreamStats, batch: int | None) -> None:
-        """All its pieces are collected (the last in forward batch `batch`): join their rows
-        not yet gone as Parts, in time order."""
+    def finish(self, stats: StreamStats, batch: int | None, parts: bool) -> None:
+        """All its pieces are collected (the last in forward batch `batch`): its rows not yet
+        gone as Parts joined in time order, or, in a stream of parts, the last batch's kept for
+        its Encoded and the others left to go as Parts. (An input placed ahead of the first
+        video arriving has all its rows here: joining them copied up to ROW_BYTES_AHEAD on the
+        thread feeding the engine, with the engine idle meanwhile.)"""
         if self.error is not None:
             self.fail(self.error)
+            self.rows = []
         else:
             rows = self.rows
-            arrays = rows[0] if len(rows) == 1 else {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
+            if parts or len(rows) == 1:
+                arrays = rows.pop()
+            else:
+                arrays = {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
+                self.rows = []
             stats.tokens += self.tokens
             prep = self.prep
             self.result = Encoded(self.item, arrays, np.array(self.grid, dtype=np.int64), None, prep.nbytes,
                                   prep.sha256, prep.video, batch)
-        self.rows = []
 
 
 class StreamTurn:
@@ -674,7 +681,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 slot.tokens += b - a
             slot.collected += 1
             if slot.placed and slot.collected == slot.pieces:
-                slot.finish(stats, number)
+                slot.finish(stats, number, parts)
 
     def place(slot: _Slot, group: np.ndarray) -> None:
         """Pack the input's next group, submitting each batch that closes (k + 1 uploads while
@@ -695,11 +702,11 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
     def ready() -> Iterator[Encoded | Part]:
         while order:
             slot = order[0]
+            if parts and slot.error is None:
+                for rows in slot.rows:
+                    yield Part(slot.item, rows)
+                slot.rows = []
             if slot.result is None:
-                if parts and slot.rows and slot.error is None:
-                    for rows in slot.rows:
-                        yield Part(slot.item, rows)
-                    slot.rows = []
                 return
             yield order.popleft().result
 
@@ -707,7 +714,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
         """All the input's groups are placed (or none will be: it failed)."""
         slot.placed = True
         if slot.collected == slot.pieces:  # none in flight (or none placed: it failed at once)
-            slot.finish(stats, stats.batches - 1 if slot.pieces else None)
+            slot.finish(stats, stats.batches - 1 if slot.pieces else None, parts)
 
     def admit(slot: _Slot) -> None:
         """An image is placed; a video joins `arriving`, its groups placed as they come (feed)."""
