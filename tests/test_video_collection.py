@@ -568,6 +568,37 @@ def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection
     assert budget.held == 0
 
 
+def test_the_first_videos_groups_go_before_more_of_a_later_ones(collection, vit):
+    """Groups of the first video that come while a later video's are being placed go first: the
+    sooner the first is done, the sooner the rows held for the later ones go on to the writer."""
+    config = VideoConfig(max_image_tokens=2000)
+    items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
+    budget = FrameBudget()
+    (a, a_frames), (b, b_frames) = [_streamed(p, budget, n) for p, n in
+                                     zip(Decoder(0, ProcessorConfig(), video=config).map(items), "ab")]
+    _arrive(b.groups, b_frames)
+    a.groups.take(a_frames[:2].nbytes)
+    a.groups.received(a_frames[:2])
+    pop = b.groups.pop
+
+    def pop_as_a_arrives():  # a's other groups come as b's first is placed
+        if not a.groups.ended:
+            for i in range(2, len(a_frames), 2):
+                a.groups.take(a_frames[i:i + 2].nbytes)
+                a.groups.received(a_frames[i:i + 2])
+            a.groups.end()
+        return pop()
+
+    b.groups.pop = pop_as_a_arrives
+    results = list(encode_prepared(vit, zip(items, [a, b]), outputs=("pooler_output",), dtype="float32",
+                                   video=config, decoders=2))
+    assert [r.item for r in results] == items and all(r.error is None for r in results)
+    # a's three groups of 120 patches, b's four of 96, 300 a forward call: a1 b1 | a2 a3 | b2 b3 b4
+    # (placing b's whole first: a1 b1 | b2 b3 b4 | a2 a3, a done last)
+    assert results[0].batch < results[1].batch
+    assert budget.held == 0
+
+
 def test_a_later_input_is_taken_only_once_its_decode_has_surely_begun(collection, vit):
     """With its one decoder busy with the first video, the stream takes the next input only once
     that video's frames have all come: a pool starts inputs in order, so taking it earlier would

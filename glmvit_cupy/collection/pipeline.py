@@ -751,30 +751,29 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
         """Merged tokens that may still be placed for inputs after the first video arriving."""
         return rows_ahead - ahead
 
-    def placeable(slot: _Slot) -> int | None:
-        """How many of the video's groups may be placed now (None: all)."""
-        if slot is arriving[0]:
-            return None
-        return max(0, room()) // group_tokens(slot)
+    def placeable(slot: _Slot) -> bool:
+        """Whether the video's next group may be placed now."""
+        return slot is arriving[0] or room() >= group_tokens(slot)
 
     def feed() -> Iterator[Encoded | Part]:
-        """Place the groups that have come of the videos arriving, in input order, a later
-        video's within `rows_ahead`; a video all of whose groups came leaves `arriving`.
-        Returns whether anything was placed or left."""
+        """Place the groups that have come of the first video arriving, then at most one of a
+        later video's (within `rows_ahead`): the first video's groups go first even when they
+        come while later ones are placed, since the sooner it is done, the sooner the rows held
+        for the inputs after it go on to the writer, while the engine still has work. A video
+        all of whose groups came leaves `arriving`. Returns whether anything was placed or left."""
         nonlocal ahead
         moved = False
         for slot in list(arriving):
-            groups, limit = slot.prep.groups, placeable(slot)
-            while limit is None or limit > 0:
-                group = groups.pop()
-                if group is None:
-                    break
+            groups, lead = slot.prep.groups, slot is arriving[0]
+            group = groups.pop() if placeable(slot) else None
+            while group is not None:
                 place(slot, group)
                 moved = True
-                limit = None if limit is None else limit - 1
                 yield from ready()
+                if not lead:
+                    return moved
+                group = groups.pop()
             if groups.finished:
-                lead = slot is arriving[0]
                 arriving.remove(slot)
                 slot.error = slot.error or groups.error
                 placed(slot)
@@ -807,7 +806,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
             if not arriving:
                 break
             if not moved:
-                clips.wait_for_any([s.prep.groups for s in arriving if placeable(s) != 0])
+                clips.wait_for_any([s.prep.groups for s in arriving if placeable(s)])
         if last := packer.close():
             submit(last)
         while in_flight:
