@@ -517,11 +517,24 @@ def _streamed(prep, budget: FrameBudget, ticket: str):
     return dataclasses.replace(prep, canvas=None, groups=groups), prep.canvas
 
 
-def _arrive(groups, frames) -> None:
+def _arrive(groups, frames, end: bool = True) -> None:
     for i in range(0, len(frames), 2):
         groups.take(frames[i:i + 2].nbytes)
         groups.received(frames[i:i + 2])
-    groups.end()
+    if end:
+        groups.end()
+
+
+def _b_come_a_not(collection):
+    """a.mp4 and b.mkv as a decode pool hands them over, with all of b's frames come and none of
+    a's: (video settings, items, budget, (a, its frames), b)."""
+    config = VideoConfig(max_image_tokens=2000)
+    items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
+    budget = FrameBudget()
+    (a, a_frames), (b, b_frames) = [_streamed(p, budget, n) for p, n in
+                                     zip(Decoder(0, ProcessorConfig(), video=config).map(items), "ab")]
+    _arrive(b.groups, b_frames)
+    return config, items, budget, (a, a_frames), b
 
 
 @pytest.mark.parametrize("parts", [False, True])
@@ -571,22 +584,13 @@ def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection
 def test_the_first_videos_groups_go_before_more_of_a_later_ones(collection, vit):
     """Groups of the first video that come while a later video's are being placed go first: the
     sooner the first is done, the sooner the rows held for the later ones go on to the writer."""
-    config = VideoConfig(max_image_tokens=2000)
-    items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
-    budget = FrameBudget()
-    (a, a_frames), (b, b_frames) = [_streamed(p, budget, n) for p, n in
-                                     zip(Decoder(0, ProcessorConfig(), video=config).map(items), "ab")]
-    _arrive(b.groups, b_frames)
-    a.groups.take(a_frames[:2].nbytes)
-    a.groups.received(a_frames[:2])
+    config, items, budget, (a, a_frames), b = _b_come_a_not(collection)
+    _arrive(a.groups, a_frames[:2], end=False)
     pop = b.groups.pop
 
     def pop_as_a_arrives():  # a's other groups come as b's first is placed
         if not a.groups.ended:
-            for i in range(2, len(a_frames), 2):
-                a.groups.take(a_frames[i:i + 2].nbytes)
-                a.groups.received(a_frames[i:i + 2])
-            a.groups.end()
+            _arrive(a.groups, a_frames[2:])
         return pop()
 
     b.groups.pop = pop_as_a_arrives
@@ -603,12 +607,7 @@ def test_a_later_input_is_taken_only_once_its_decode_has_surely_begun(collection
     """With its one decoder busy with the first video, the stream takes the next input only once
     that video's frames have all come: a pool starts inputs in order, so taking it earlier would
     wait for that worker, while the video's frames, unplaced meanwhile, fill the frame budget."""
-    config = VideoConfig(max_image_tokens=2000)
-    items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
-    budget = FrameBudget()
-    (a, a_frames), (b, b_frames) = [_streamed(p, budget, n) for p, n in
-                                     zip(Decoder(0, ProcessorConfig(), video=config).map(items), "ab")]
-    _arrive(b.groups, b_frames)
+    config, items, _, (a, a_frames), b = _b_come_a_not(collection)
     asked = []
 
     def source():
