@@ -79,11 +79,16 @@ def test_concurrent_distinct_images_over_two_fronts_equal_encode_bit_for_bit(tin
     hand one request another's canvas or answer), bit for bit what `encode` makes of it alone."""
     images = [png((40 + 4 * (i % 8), 64 + 8 * (i // 8)), seed=300 + i) for i in range(32)]
     with ServerProcess("--model", str(tiny_ckpt), "--backend", "numpy", *TWO_FRONTS) as server:
-        answers = asyncio.run(post_all(f"{server.url}/embed?output=both&dtype=float32", images))
-        served = fronts_that_served(server, "POST /embed 200")
-    assert [r.status_code for r in answers] == [200] * 32
+        rounds = []
+        for _ in range(10):  # which front accepts a connection is the kernel's choice: all 32 may go to one
+            rounds.append(asyncio.run(post_all(f"{server.url}/embed?output=both&dtype=float32", images)))
+            served = fronts_that_served(server, "POST /embed 200")
+            if served == {"0", "1"}:
+                break
     assert served == {"0", "1"}
-    for data, r in zip(images, answers):
+    for answers in rounds:
+        assert [r.status_code for r in answers] == [200] * 32
+    for data, r in zip(images * len(rounds), [r for answers in rounds for r in answers]):
         want = vit.encode(data, output="both", dtype="float32")[0]
         got = safetensors_arrays(r.content)
         assert np.array_equal(got["pooler_output"], want.pooler_output)
