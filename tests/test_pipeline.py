@@ -401,32 +401,26 @@ def test_pixel_messages_arrive_whole_in_their_array():
     ours.close()
 
 FULL_DISK = r'''
-import errno, sys
+import errno, os, sys
 import glmvit_cupy.collection.shards as shards
-opened = shards._OpenShard.__init__
-count = [0]
+opened, pwrite = shards._OpenShard.__init__, os.pwrite
+count, full = [0], set()
 
 
-class Full:  # the disk fills up in the second shard
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
-def init(self, *args, **kwargs):
+def init(self, *args, **kwargs):  # the disk fills up in the second shard
     opened(self, *args, **kwargs)
     count[0] += 1
     if count[0] == 2:
-        f, path = self.files[self.outputs[0]]
-        self.files[self.outputs[0]] = (Full(f), path)
+        full.add(self.files[self.outputs[0]][0].fileno())
 
 
-shards._OpenShard.__init__ = init
+def write(fd, data, offset):
+    if fd in full:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return pwrite(fd, data, offset)
+
+
+shards._OpenShard.__init__, os.pwrite = init, write
 import cli
 cli.main()
 '''

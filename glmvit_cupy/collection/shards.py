@@ -24,6 +24,7 @@ Each shard's metadata records the settings it was made with, so a resume with ot
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -38,7 +39,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..bf16 import bf16_to_f32
-from ..errors import GlmVitError
+from ..errors import GlmVitError, InternalError
 from ..tower.checkpoint import HeaderEntry, read_header
 from ..tower.writer import create_temp, fsync_dir, is_temp, safetensors_header, write_atomic
 from .sources import resume_key
@@ -78,19 +79,18 @@ def _write_error(directory: Path, exc: OSError) -> GlmVitError:
 class _OpenShard:
     """The shard being filled: its temp files, rows so far and metadata lines."""
 
-    def __init__(self, directory: Path, index: int, outputs: Sequence[str], reserve: int) -> None:
-        self.index, self.outputs, self.reserve = index, tuple(outputs), reserve
+    def __init__(self, directory: Path, index: int, outputs: Sequence[str]) -> None:
+        self.index, self.outputs = index, tuple(outputs)
         self.files: dict[str, tuple[Any, Path]] = {}
         for i, name in enumerate(self.outputs):
             fd, path = create_temp(directory, f"{shard_name(index)}.{name}" if i else
                                            f"{shard_name(index)}.safetensors")
-            f = os.fdopen(fd, "wb+")
-            if i == 0:
-                f.seek(8 + reserve)
-            self.files[name] = (f, path)
+            self.files[name] = (os.fdopen(fd, "wb+"), path)
         self.records: list[dict] = []
         self.rows = 0  # of its records
-        self.pending = 0  # rows of a video written after them, its record yet to come
+        self.starts: list[int] = []  # each record's first row in the files (its rows are [start, start + tokens))
+        self.end = 0  # rows placed in the files: records', those still to come, holes
+        self.live = 0  # reservations placed here and not yet completed or abandoned
 
     def remove(self) -> None:
         for f, path in self.files.values():
@@ -98,8 +98,22 @@ class _OpenShard:
             path.unlink(missing_ok=True)
 
 
+@dataclasses.dataclass(eq=False)
+class _Reserved:
+    """An input of ShardWriter.reserve: `rows` (None: as many as come), its first row in the open
+    shard's files once placed (`start`), rows come so far, those come before it was placed."""
+
+    rows: int | None
+    start: int | None = None
+    come: int = 0
+    buffered: list = dataclasses.field(default_factory=list)  # (first row, arrays)
+
+
 class ShardWriter:
-    """Appends images to shards of `shard_size` images in `directory`, numbered from `first_index`."""
+    """Writes inputs into shards of `shard_size` inputs in `directory`, numbered from
+    `first_index`, in input order: in order (add, a video's add_part before it), or reserved
+    in input order and written as their rows come, in any order (reserve, write_rows, complete
+    or abandon; a shard's records and rows are in input order all the same)."""
 
     def __init__(self, directory: Path, outputs: Sequence[str], dtype: str, width: int, shard_size: int,
                  first_index: int, metadata: dict[str, str]) -> None:
@@ -108,78 +122,167 @@ class ShardWriter:
         self.st_dtype = DTYPES[dtype][1]
         worst = [(name, self.st_dtype, [_MAX_INT, _MAX_INT], _MAX_INT) for name in self.outputs]
         worst += [("grid_thw", "I64", [_MAX_INT, 3], _MAX_INT), ("offsets", "I64", [_MAX_INT], _MAX_INT)]
-        self.reserve = -(-len(safetensors_header(worst, metadata)) // 8) * 8
+        self.reserve_bytes = -(-len(safetensors_header(worst, metadata)) // 8) * 8  # the header area
+        self.row_bytes = width * np.dtype(DTYPES[dtype][0]).itemsize
         self.shard: _OpenShard | None = None
+        self.reserved: deque[_Reserved] = deque()  # not yet completed or abandoned, in input order
+        self._part: _Reserved | None = None  # add_part's video
         # Sealing (fsync, renames) runs on a thread of its own, in shard order: an fsync of a shard
         # of photos takes up to a second, during which the next shard keeps filling.
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-cupy seal")
         self._sealing: list[Future] = []
 
+    def reserve(self, rows: int | None) -> "_Reserved":
+        """An input whose `rows` rows (None: as many as come) are written (write_rows) before its
+        record (complete) or its failure (abandon); inputs are reserved, completed and abandoned
+        in input order, their rows written in any order. A reservation takes its place in the
+        open shard at once if the shard has room for its record (else once a shard has), rows
+        written before that wait in memory; one of rows None is the last placed until completed."""
+        reserved = _Reserved(rows)
+        self.reserved.append(reserved)
+        self._place()
+        return reserved
+
+    def write_rows(self, reserved: "_Reserved", first: int, arrays: dict[str, np.ndarray]) -> None:
+        """Rows [first, first + n) of each output of a reserved input."""
+        n = len(arrays[self.outputs[0]])
+        if reserved.rows is not None and first + n > reserved.rows:
+            raise GlmVitError(f"rows {first}-{first + n} of an input reserved {reserved.rows} rows")
+        reserved.come += n
+        if reserved.start is None:
+            reserved.buffered.append((first, arrays))
+            return
+        self._write(reserved.start + first, arrays)
+        if reserved.rows is None:
+            self.shard.end = max(self.shard.end, reserved.start + first + n)
+
+    def complete(self, reserved: "_Reserved", record: dict, grid_thw: Sequence[int]) -> None:
+        """The reserved input's metadata line (source fields): all its rows have come."""
+        self._check_first(reserved, "completed")
+        if reserved.rows is not None and reserved.come != reserved.rows:
+            raise GlmVitError(f"an input reserved {reserved.rows} rows completed with {reserved.come}")
+        self.reserved.popleft()
+        shard, rows = self.shard, reserved.come
+        shard.live -= 1
+        shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
+                              "rows": [shard.rows, shard.rows + rows]})
+        shard.starts.append(reserved.start)
+        shard.rows += rows
+        if reserved.rows is None:
+            shard.end = reserved.start + rows
+        if len(shard.records) >= self.shard_size:
+            self._hand_over()
+        self._place()
+
+    def abandon(self, reserved: "_Reserved") -> None:
+        """The reserved input failed (or the run stopped): its rows go off the shard's files."""
+        self._check_first(reserved, "abandoned")
+        self.reserved.popleft()
+        shard = self.shard
+        if reserved.start is not None:
+            shard.live -= 1
+            placed_after = any(r.start is not None for r in self.reserved)
+            if not placed_after:  # the last placed: its rows go now (else sealing closes the hole)
+                self._truncate(shard, reserved.start)
+        self._place()
+
     def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
-        """One input: its metadata line (source fields) and its rows of each output (a video's
-        after those of its add_part calls)."""
-        try:
-            rows = self._write(arrays, str(record.get("path")))
-            shard = self.shard
-            rows += shard.pending
-            shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
-                                  "rows": [shard.rows, shard.rows + rows]})
-            shard.rows += rows
-            shard.pending = 0
-            if len(shard.records) >= self.shard_size:
-                self.finish()
-        except OSError as exc:
-            raise _write_error(self.directory, exc) from None
+        """One input in order: its metadata line and its rows of each output (a video's after
+        those of its add_part calls)."""
+        reserved, self._part = self._part or self.reserve(len(arrays[self.outputs[0]])), None
+        self.write_rows(reserved, reserved.come, arrays)
+        self.complete(reserved, record, grid_thw)
 
     def add_part(self, arrays: dict[str, np.ndarray]) -> None:
         """Rows of a video whose record comes later (add), or never (drop_part)."""
-        try:
-            rows = self._write(arrays, "a video's part")  # opens the shard if none is
-            self.shard.pending += rows
-        except OSError as exc:
-            raise _write_error(self.directory, exc) from None
+        self._part = self._part or self.reserve(None)
+        self.write_rows(self._part, self._part.come, arrays)
 
     def drop_part(self) -> None:
         """Cut the rows of add_part calls whose record did not come off the shard's files."""
-        shard = self.shard
-        if shard is None or not shard.pending:
-            return
-        row_bytes = self.width * np.dtype(DTYPES[self.dtype][0]).itemsize
-        try:
-            for i, name in enumerate(self.outputs):
-                f = shard.files[name][0]
-                end = (8 + self.reserve if i == 0 else 0) + shard.rows * row_bytes
-                f.flush()
-                f.truncate(end)
-                f.seek(end)
-        except OSError as exc:
-            raise _write_error(self.directory, exc) from None
-        shard.pending = 0
+        if self._part is not None:
+            part, self._part = self._part, None
+            self.abandon(part)
 
-    def _write(self, arrays: dict[str, np.ndarray], what: str) -> int:
-        """Append rows of each output to the open shard (opened here if none is); their count."""
+    def _check_first(self, reserved: "_Reserved", what: str) -> None:
+        if not self.reserved or self.reserved[0] is not reserved:
+            raise GlmVitError(f"an input {what} out of input order")
+
+    def _place(self) -> None:
+        """Give the reservations not yet placed their rows in the open shard (opening one if none
+        is), in order, while it has room for their records; write what they hold."""
+        placed = None
+        for reserved in self.reserved:
+            if reserved.start is not None:
+                placed = reserved
+                continue
+            if placed is not None and placed.rows is None:  # its end is not known yet
+                return
+            shard = self._open()
+            if len(shard.records) + shard.live >= self.shard_size:
+                return
+            reserved.start = shard.end
+            shard.end += reserved.rows or 0
+            shard.live += 1
+            for first, arrays in reserved.buffered:
+                self._write(reserved.start + first, arrays)
+                if reserved.rows is None:
+                    shard.end = max(shard.end, reserved.start + first + len(arrays[self.outputs[0]]))
+            reserved.buffered = []
+            placed = reserved
+
+    def _open(self) -> _OpenShard:
         if self.shard is None:
-            self.shard = _OpenShard(self.directory, self.next_index, self.outputs, self.reserve)
+            try:
+                self.shard = _OpenShard(self.directory, self.next_index, self.outputs)
+            except OSError as exc:
+                raise _write_error(self.directory, exc) from None
             self.next_index += 1
+        return self.shard
+
+    def _write(self, row: int, arrays: dict[str, np.ndarray]) -> None:
+        """Each output's rows into the open shard's files from `row` on."""
         shard = self.shard
         rows = len(arrays[self.outputs[0]])
-        for name in self.outputs:
-            data = np.ascontiguousarray(arrays[name], dtype=DTYPES[self.dtype][0])
-            if data.shape != (rows, self.width):
-                raise GlmVitError(f"{name} of {what} has shape {list(data.shape)}, expected [{rows}, {self.width}]")
-            f = shard.files[name][0]
-            start = f.tell()
-            f.write(data.data)
-            if name == self.outputs[0] and hasattr(os, "posix_fadvise"):  # start its writeback now,
-                f.flush()                                                    # so that sealing has little left
-                os.posix_fadvise(f.fileno(), start, data.nbytes, os.POSIX_FADV_DONTNEED)
-        return rows
+        try:
+            for i, name in enumerate(self.outputs):
+                data = np.ascontiguousarray(arrays[name], dtype=DTYPES[self.dtype][0])
+                if data.shape != (rows, self.width):
+                    raise GlmVitError(f"{name} has shape {list(data.shape)}, expected [{rows}, {self.width}]")
+                fd = shard.files[name][0].fileno()
+                start = at = self._base(i) + row * self.row_bytes
+                view = memoryview(data.view(np.uint8).reshape(-1))
+                while view:
+                    written = os.pwrite(fd, view, at)
+                    view, at = view[written:], at + written
+                if i == 0 and hasattr(os, "posix_fadvise"):  # start its writeback now, so that sealing has little left
+                    os.posix_fadvise(fd, start, data.nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            raise _write_error(self.directory, exc) from None
+
+    def _base(self, output: int) -> int:
+        """Where rows start in an output's file: after the header area in the first (the .safetensors)."""
+        return 8 + self.reserve_bytes if output == 0 else 0
+
+    def _truncate(self, shard: _OpenShard, rows: int) -> None:
+        try:
+            for i, name in enumerate(self.outputs):
+                shard.files[name][0].truncate(self._base(i) + rows * self.row_bytes)
+        except OSError as exc:
+            raise _write_error(self.directory, exc) from None
+        shard.end = rows
 
     def finish(self) -> None:
         """Hand the shard in flight (if it holds any input) to the sealer: header, fsync, rename,
-        metadata; a video's rows without their record are cut off first. An error of an
-        earlier seal is raised here."""
-        self.drop_part()
+        metadata; the rows of inputs without their record (a video's add_part calls, inputs
+        reserved and not completed) are cut off first. An error of an earlier seal is raised here."""
+        self._part = None
+        self.reserved.clear()
+        if self.shard is not None:
+            self.shard.live = 0
+        self._hand_over()
+
+    def _hand_over(self) -> None:
         shard, self.shard = self.shard, None
         if shard is not None and not shard.records:  # it held only such rows: no shard, nor its number
             shard.remove()
@@ -207,13 +310,29 @@ class ShardWriter:
                 raise _write_error(self.directory, exc) from None
             raise
 
+    def _close_holes(self, shard: _OpenShard) -> None:
+        """Move each record's rows down to where its record says (rows of inputs that failed or
+        never completed left holes before them), then cut each file after the last."""
+        for i, name in enumerate(self.outputs):
+            fd, base = shard.files[name][0].fileno(), self._base(i)
+            for start, record in zip(shard.starts, shard.records):
+                src, dst, left = start * self.row_bytes, record["rows"][0] * self.row_bytes, record["tokens"] * self.row_bytes
+                while src != dst and left > 0:  # downwards, front to back: never over what is still to move
+                    chunk = os.pread(fd, min(left, 64 << 20), base + src)
+                    if not chunk:
+                        raise InternalError(f"{name} of shard {shard.index} ends before the rows of {record['path']}")
+                    os.pwrite(fd, chunk, base + dst)
+                    src, dst, left = src + len(chunk), dst + len(chunk), left - len(chunk)
+            os.ftruncate(fd, base + shard.rows * self.row_bytes)
+
     def _seal(self, shard: _OpenShard) -> None:
-        n, rows, itemsize = len(shard.records), shard.rows, np.dtype(DTYPES[self.dtype][0]).itemsize
+        n, rows = len(shard.records), shard.rows
+        self._close_holes(shard)
         main, main_path = shard.files[self.outputs[0]]
-        tensors = [(name, self.st_dtype, [rows, self.width], rows * self.width * itemsize) for name in self.outputs]
+        tensors = [(name, self.st_dtype, [rows, self.width], rows * self.row_bytes) for name in self.outputs]
+        main.seek(self._base(0) + rows * self.row_bytes)
         for name in self.outputs[1:]:  # side files after the first output's rows
             side, _ = shard.files[name]
-            side.flush()
             side.seek(0)
             while chunk := side.read(64 << 20):
                 main.write(chunk)
@@ -224,7 +343,7 @@ class ShardWriter:
             main.write(array.tobytes())
         header = safetensors_header(tensors, self.metadata)
         main.seek(0)
-        main.write(struct.pack("<Q", self.reserve) + header + b" " * (self.reserve - len(header)))
+        main.write(struct.pack("<Q", self.reserve_bytes) + header + b" " * (self.reserve_bytes - len(header)))
         main.flush()
         os.fsync(main.fileno())
         final = self.directory / f"{shard_name(shard.index)}.safetensors"
