@@ -213,8 +213,9 @@ def test_sigterm_finishes_the_shard_in_flight(tmp_path, tiny):
             "--shard-size", "1000", "--workers", "1", "--quiet", "--max-pixels", str(400 * 196),
             "--max-image-tokens", "100"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not list(out.glob(".shard-*.tmp")) and time.time() < deadline:
+    deadline, written = time.time() + 120, []
+    while len(set(written)) < 3 and time.time() < deadline:  # a shard open, then rows of two batches:
+        written += [p.stat().st_size for p in out.glob(".shard-*.tmp")]  # the first batch's records are in
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -447,17 +448,19 @@ def test_the_shard_writers_queue_is_bounded_in_bytes(tmp_path):
     width, rows = 64, 1024  # a call: 1024 rows x 64 float32 = 256 KiB
     writer = ShardWriter(tmp_path, ["pooler_output"], "float32", width, 100, 0, {"format": FORMAT})
     slow_disk = threading.Event()
-    write = writer.add_part
-    writer.add_part = lambda arrays: (slow_disk.wait(), write(arrays))
+    write = writer.write_rows
+    writer.write_rows = lambda *args: (slow_disk.wait(), write(*args))
     background = BackgroundWriter(writer, max_bytes=3 * rows * width * 4)
     parts = [np.full((rows, width), i, np.float32) for i in range(12)]
     fed = []
 
     def feed():
-        for part in parts:
-            background.add_part({"pooler_output": part})
+        clip = background.reserve(12 * rows + 1)
+        for i, part in enumerate(parts):
+            background.write_rows(clip, i * rows, {"pooler_output": part})
             fed.append(part)
-        background.add({"path": "clip"}, {"pooler_output": parts[0][:1]}, [12, 1, 1])
+        background.write_rows(clip, 12 * rows, {"pooler_output": parts[0][:1]})
+        background.complete(clip, {"path": "clip"}, [12, 1, 1])
 
     feeder = threading.Thread(target=feed)
     feeder.start()

@@ -26,7 +26,7 @@ import pytest
 from glmvit_cupy import GlmVit
 from glmvit_cupy.collection import pipeline
 from glmvit_cupy.collection.clips import FrameBudget, Groups, wait_for_any
-from glmvit_cupy.collection.pipeline import Decoder, Encoded, Part, encode_prepared, plan_pieces
+from glmvit_cupy.collection.pipeline import Decoder, Encoded, Part, Reserve, encode_prepared, plan_pieces
 from glmvit_cupy.collection.shards import read_embeddings
 from glmvit_cupy.collection.sources import Source, expand_inputs
 from glmvit_cupy.processor.preprocess import ProcessorConfig
@@ -543,9 +543,9 @@ def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection
                                                                       parts):
     """While no frame of the first video has come, the stream places the groups of the video after
     it (whose rows it holds until their turn), at most ROW_BYTES_AHEAD of rows; the results leave in
-    input order, each equal to the video encoded alone. In a stream of parts, a video all of whose
-    batches came back while it was held ahead leaves as Parts too, never joined (a join would copy
-    up to ROW_BYTES_AHEAD on the thread feeding the engine)."""
+    input order, each equal to the video encoded alone. In a stream of parts, both are announced
+    (Reserve) as they are taken and the later video's rows leave as Parts as they are collected,
+    before the first's Encoded (the writer has their place)."""
     config = VideoConfig(max_image_tokens=2000)
     items = [Source(str(collection / n)) for n in ("a.mp4", "b.mkv")]
     decode = lambda: list(Decoder(0, ProcessorConfig(), video=config).map(items))  # noqa: E731
@@ -567,23 +567,32 @@ def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection
     while b_groups - len(b.groups.waiting) < want_placed and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.3)  # and no more than that
-    assert b_groups - len(b.groups.waiting) == want_placed and not results
+    assert b_groups - len(b.groups.waiting) == want_placed
+    assert not [r for r in results if isinstance(r, Encoded)]  # a's comes first
+    assert [r.item for r in results if isinstance(r, Reserve)] == (items if parts else [])  # announced in order
     _arrive(a.groups, a_frames)
     stream.join(60)
     encoded = [r for r in results if isinstance(r, Encoded)]
     assert [r.item for r in encoded] == items and all(r.error is None for r in encoded)
-    for got, want in zip(encoded, alone):
-        rows = [r.arrays["pooler_output"] for r in results if isinstance(r, Part) and r.item is got.item]
+    for got, want, reserve in zip(encoded, alone, [r for r in results if isinstance(r, Reserve)] or alone):
         assert np.array_equal(got.grid_thw, want.grid_thw)
-        assert np.array_equal(np.concatenate(rows + [got.arrays["pooler_output"]]), want.arrays["pooler_output"])
-    if parts:  # b's four groups took two forward batches: the first's rows left as a Part
-        assert len(encoded[1].arrays["pooler_output"]) < len(alone[1].arrays["pooler_output"])
+        if parts:  # every row as a Part, each at its place
+            assert not got.arrays and reserve.rows == len(want.arrays["pooler_output"])
+            rows = np.full_like(want.arrays["pooler_output"], np.nan)
+            for part in (r for r in results if isinstance(r, Part) and r.item is got.item):
+                rows[part.first:part.first + len(part.arrays["pooler_output"])] = part.arrays["pooler_output"]
+            assert np.array_equal(rows, want.arrays["pooler_output"])
+        else:
+            assert np.array_equal(got.arrays["pooler_output"], want.arrays["pooler_output"])
+    if parts:  # b held ahead: its rows went as they were collected, before a's Encoded
+        first_a = next(i for i, r in enumerate(results) if isinstance(r, Encoded))
+        assert [r for r in results[:first_a] if isinstance(r, Part) and r.item is items[1]]
     assert budget.held == 0
 
 
 def test_the_first_videos_groups_go_before_more_of_a_later_ones(collection, vit):
     """Groups of the first video that come while a later video's are being placed go first: the
-    sooner the first is done, the sooner the rows held for the later ones go on to the writer."""
+    sooner the first is done, the sooner its record is written and the inputs after it placed."""
     config, items, budget, (a, a_frames), b = _b_come_a_not(collection)
     _arrive(a.groups, a_frames[:2], end=False)
     pop = b.groups.pop

@@ -15,10 +15,11 @@ nor with a video's length. Workers hand over uint8 pixels: an image's canvas
 groups (an image is one) and takes a video's as they arrive: where a batch fills, the video is
 cut between groups and continued in the next (exact: attention never crosses a group). While
 the video it is on has no group waiting (one worker decodes a video, often slower than the
-engine takes it), it packs the groups of the inputs after it, their rows held until their turn
-(at most ROW_BYTES_AHEAD). Its
-pieces' rows are joined again in time order, or, for a collection's shards, leave one batch's
-at a time (Part) and are written into the shard as they come. Workers are processes
+engine takes it), it packs the groups of the inputs after it (at most ROW_BYTES_AHEAD of their
+rows). An input's pieces' rows are joined again in time order when its turn comes, or, for a
+collection's shards, each input is announced as it is admitted (Reserve: the shard writer
+takes its rows' place) and its rows leave one batch's at a time as collected (Part), whichever
+input is first, to be written at their place. Workers are processes
 (workers.Child: fresh interpreters that die with their parent): the decode is CPU-bound
 Python/PIL/FFmpeg, and a fork of a process that holds a CUDA context is not safe.
 `GlmVit.encode_iter` and the CLI's collection runs (`encode_collection`) are both built on
@@ -60,9 +61,10 @@ from .staging import DTYPES, OUTPUT_NAMES, check_dtype, make_stager
 DEFAULT_WORKERS = max(1, usable_cpus() - 1)  # all usable cores but one: the engine's host thread
 OUTPUTS = {"pooler": ("pooler_output",), "last_hidden": ("last_hidden_state",), "both": OUTPUT_NAMES}
 DEFAULT_OUTPUT = "pooler"  # the merger's output: what the LM splices in
-# Rows a stream may hold of inputs after the first video whose frames still come: while one
+# Rows a stream may compute of inputs after the first video whose frames still come: while one
 # worker decodes that video slower than the engine takes it, the groups of later inputs keep
-# the engine busy, their rows held until their turn (2 GiB: 262,144 tokens of the bf16 pooler).
+# the engine busy, their rows held until their turn, or, in a stream of parts, handed to the
+# shard writer, which holds those past its open shard (2 GiB: 262,144 tokens of the bf16 pooler).
 ROW_BYTES_AHEAD = 2 << 30
 
 
@@ -482,7 +484,7 @@ def plan_batches(patch_counts: Sequence[int], p_max: int) -> list[range]:
 @dataclasses.dataclass
 class Encoded:
     """One input's outcome, in input order: its rows of each output (in the asked dtype; a
-    video's in time order; in a stream of parts, those its Parts did not carry) and grid, or
+    video's in time order; in a stream of parts none: its Parts carried them) and grid, or
     the reason it failed."""
 
     item: Any
@@ -496,13 +498,23 @@ class Encoded:
 
 
 @dataclasses.dataclass
+class Reserve:
+    """In a stream of parts (encode_prepared(parts=True)): an input admitted, in input order,
+    whose `rows` rows come as Parts before its Encoded."""
+
+    item: Any
+    rows: int
+
+
+@dataclasses.dataclass
 class Part:
-    """In a stream of parts (encode_prepared(parts=True)): a video's rows of one forward batch,
-    in time order, before its Encoded, which holds the rest, or says it failed (then its Parts
-    are void)."""
+    """In a stream of parts: an input's rows of one forward batch, from its row `first` on, as
+    soon as the batch is collected, whichever input is first in order; its Encoded holds no
+    rows, or says it failed (then its Parts are void)."""
 
     item: Any
     arrays: dict[str, np.ndarray]
+    first: int
 
 
 @dataclasses.dataclass
@@ -522,6 +534,7 @@ class _Slot:
     collected: int = 0
     tokens: int = 0
     rows: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    handed: int = 0  # rows gone as Parts
     error: str | None = None
     result: Encoded | None = None
 
@@ -530,17 +543,16 @@ class _Slot:
         self.result = Encoded(self.item, None, None, error, prep.nbytes, prep.sha256, prep.video)
 
     def finish(self, stats: StreamStats, batch: int | None, parts: bool) -> None:
-        """All its pieces are collected (the last in forward batch `batch`): its rows not yet
-        gone as Parts joined in time order, or, in a stream of parts, the last batch's kept for
-        its Encoded and the others left to go as Parts. (An input placed ahead of the first
-        video arriving has all its rows here: joining them copied up to ROW_BYTES_AHEAD on the
-        thread feeding the engine, with the engine idle meanwhile.)"""
+        """All its pieces are collected (the last in forward batch `batch`): its rows joined in
+        time order, or, in a stream of parts, none (they go as Parts)."""
         if self.error is not None:
             self.fail(self.error)
             self.rows = []
         else:
             rows = self.rows
-            if parts or len(rows) == 1:
+            if parts:
+                arrays = {}
+            elif len(rows) == 1:
                 arrays = rows.pop()
             else:
                 arrays = {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
@@ -594,7 +606,7 @@ def stream(vit, items: Iterable[Any], **options: Any) -> Iterator[Encoded]:
 def stream_in_turn(vit, items: Iterable[Any], *, outputs: Sequence[str] = OUTPUT_NAMES, dtype: str = "float32",
                    workers: int = DEFAULT_WORKERS, processor: ProcessorConfig | None = None,
                    stats: StreamStats | None = None, decoder: Decoder | None = None,
-                   stager: Any = None, parts: bool = False) -> Iterator[Encoded | Part]:
+                   stager: Any = None, parts: bool = False) -> Iterator[Encoded | Part | Reserve]:
     """stream, for a caller that holds vit.stream_turn(). `decoder` and `stager`
     (staging.make_stager for this processor and the decoder's video settings) may be kept by
     the caller across streams; by default each stream makes its own, for images only
@@ -618,19 +630,20 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                     dtype: str = "float32", processor: ProcessorConfig | None = None,
                     stats: StreamStats | None = None, stager: Any = None,
                     video: VideoConfig | None = None, parts: bool = False,
-                    decoders: int = 0) -> Iterator[Encoded | Part]:
+                    decoders: int = 0) -> Iterator[Encoded | Part | Reserve]:
     """The engine's half of a stream: inputs already decoded ((input, its Prepared), in input
     order; a video's with the `video` settings it was decoded with) packed by the Packer into
     forward batches of at most vit.p_max patches, two on the stager at a time, and yielded as
     Encoded in input order. A video's groups are placed as its decode worker sends them (its
     Prepared's Groups), each let go once staged. While the first video still arriving has no
-    group waiting, the groups of later inputs are placed (their rows held until their turn, at
-    most ROW_BYTES_AHEAD), so a video decoded slower than the engine runs does not idle it;
+    group waiting, the groups of later inputs are placed (at most ROW_BYTES_AHEAD of their
+    rows), so a video decoded slower than the engine runs does not idle it;
     `decoders`: how many inputs the source of `prepared` decodes at once (Decoder.workers), of
     which later inputs are taken only while fewer videos arrive (0: none is taken meanwhile).
-    `parts`: a video's rows leave as Parts as each batch is collected, not joined (a
-    collection's shards take them so). The Ray actors run it on the canvases of their decode
-    stage."""
+    `parts`: each input admitted is announced (Reserve, in input order) and its rows leave as
+    Parts as each batch is collected, whichever input is first (a collection's shard writer
+    has their place; benchmarks/NOTES.md: rows held until their turn were written after the
+    forward). The Ray actors run it on the canvases of their decode stage."""
     processor = processor or vit.processor
     check_processor(processor, vit.geometry)
     check_dtype(dtype)
@@ -647,6 +660,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
     ahead = 0  # merged tokens placed of the inputs after arriving[0] (their rows are held)
     packer = Packer(vit.p_max)
     in_flight: deque[tuple[Any, list[Piece]]] = deque()
+    announced: deque[Reserve] = deque()  # inputs admitted, their Reserve not yet yielded
 
     def submit(batch: list[Piece]) -> None:
         pixels, grid, staged = [], [], []
@@ -699,15 +713,16 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
             while len(in_flight) >= stager.depth:
                 collect()
 
-    def ready() -> Iterator[Encoded | Part]:
-        while order:
-            slot = order[0]
-            if parts and slot.error is None:
+    def ready() -> Iterator[Encoded | Part | Reserve]:
+        while announced:
+            yield announced.popleft()
+        for slot in order if parts else ():
+            if slot.error is None:
                 for rows in slot.rows:
-                    yield Part(slot.item, rows)
+                    yield Part(slot.item, rows, slot.handed)
+                    slot.handed += len(next(iter(rows.values())))
                 slot.rows = []
-            if slot.result is None:
-                return
+        while order and order[0].result is not None:
             yield order.popleft().result
 
     def placed(slot: _Slot) -> None:
@@ -735,6 +750,8 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
             if prep.groups is not None:
                 prep.groups.abandon()
             return
+        if parts:
+            announced.append(Reserve(slot.item, h * w * slot.grid[0] // merge))
         if prep.groups is None:
             canvas_, prep.canvas = prep.canvas, None  # the batch holds it
             place(slot, canvas_)
@@ -755,11 +772,11 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
         """Whether the video's next group may be placed now."""
         return slot is arriving[0] or room() >= group_tokens(slot)
 
-    def feed() -> Iterator[Encoded | Part]:
+    def feed() -> Iterator[Encoded | Part | Reserve]:
         """Place the groups that have come of the first video arriving, then at most one of a
         later video's (within `rows_ahead`): the first video's groups go first even when they
-        come while later ones are placed, since the sooner it is done, the sooner the rows held
-        for the inputs after it go on to the writer, while the engine still has work. A video
+        come while later ones are placed, since the sooner it is done, the sooner the inputs
+        after it may be placed (the rows ahead are bounded) and its own record written. A video
         all of whose groups came leaves `arriving`. Returns whether anything was placed or left."""
         nonlocal ahead
         moved = False
@@ -870,16 +887,21 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
         writer = BackgroundWriter(ShardWriter(directory.directory, outputs, dtype, vit.geometry.out_hidden_size,
                                               shard_size, directory.next_index, metadata))
         stats, failures, encoded = StreamStats(), [], 0
+        reserved: dict[int, Any] = {}  # id of an input announced -> its reservation
         if progress is not None:
             progress.start(len(todo))
         try:
             for result in stream(vit, todo, outputs=outputs, dtype=dtype, processor=processor, stats=stats,
                                  decoder=decoder, stager=stager, parts=True):
-                if isinstance(result, Part):  # a video's rows go to the shard as they come
-                    writer.add_part(result.arrays)
+                if isinstance(result, Reserve):  # its rows' place in the shard, taken in input order
+                    reserved[id(result.item)] = writer.reserve(result.rows)
+                    continue
+                if isinstance(result, Part):  # rows go to their place as they come
+                    writer.write_rows(reserved[id(result.item)], result.first, result.arrays)
                     continue
                 if result.error is not None:
-                    writer.drop_part()  # a video that failed after some of its rows
+                    if id(result.item) in reserved:  # it failed after its place was taken, or some of its rows
+                        writer.abandon(reserved.pop(id(result.item)))
                     failures.append({**result.item.record(), "kind": result.item.kind, "error": result.error})
                     directory.write_failures(failures)
                     if fail_fast:
@@ -887,7 +909,7 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
                 else:
                     kind = {"kind": "image"} if result.video is None else result.video.record()
                     record = {**result.item.record(), **kind, "bytes": result.nbytes, "sha256": result.sha256}
-                    writer.add(record, result.arrays, result.grid_thw)
+                    writer.complete(reserved.pop(id(result.item)), record, result.grid_thw)
                     encoded += 1
                 if progress is not None:
                     progress(result, stats)

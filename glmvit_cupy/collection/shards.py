@@ -8,13 +8,15 @@
                                   temporal groups), bytes, sha256, grid_thw, tokens, rows
     DIR/failures.jsonl            the inputs of the last run that did not encode, and why
 
-A shard is written as it fills: its first output streams into a temporary file behind a
+A shard is written as it fills: its first output goes into a temporary file behind a
 header area sized for the largest numbers a header can hold (safetensors allows trailing
-spaces in the header), further outputs into side files appended at the end, so memory holds
-no more than one image's rows, or one forward batch's of a video: a video's rows come in
-pieces (`add_part`, then `add` with the last and its record), and a video whose record never
-comes (it failed later, or the run stopped) is cut off the files again. Then fsync and
-rename: first the .safetensors, then its .jsonl, which is what makes a shard count as done.
+spaces in the header), further outputs into side files appended at the end. Each input takes
+its rows' place when the pipeline admits it (`reserve`, in input order), and its rows are
+written there as each forward batch is collected (`write_rows`), so neither a video's rows
+nor those of inputs computed while an earlier video still decodes wait in memory for their
+turn; its record (`complete`) comes in input order, and an input whose record never comes (it
+failed, or the run stopped) leaves a hole that sealing closes, moving later rows down. Then
+fsync and rename: first the .safetensors, then its .jsonl, which is what makes a shard count as done.
 A run killed at any moment leaves only whole shards and hidden `.*.tmp` files; the next run
 on the directory (holding a lock on it) removes those and any .safetensors without its
 .jsonl, and skips every input already done.
@@ -99,11 +101,11 @@ class _OpenShard:
 
 
 @dataclasses.dataclass(eq=False)
-class _Reserved:
-    """An input of ShardWriter.reserve: `rows` (None: as many as come), its first row in the open
-    shard's files once placed (`start`), rows come so far, those come before it was placed."""
+class Reservation:
+    """An input of ShardWriter.reserve: its `rows`, its first row in the open shard's files once
+    placed (`start`), rows come so far, and those come before it was placed."""
 
-    rows: int | None
+    rows: int
     start: int | None = None
     come: int = 0
     buffered: list = dataclasses.field(default_factory=list)  # (first row, arrays)
@@ -111,9 +113,9 @@ class _Reserved:
 
 class ShardWriter:
     """Writes inputs into shards of `shard_size` inputs in `directory`, numbered from
-    `first_index`, in input order: in order (add, a video's add_part before it), or reserved
-    in input order and written as their rows come, in any order (reserve, write_rows, complete
-    or abandon; a shard's records and rows are in input order all the same)."""
+    `first_index`, in input order: each reserved in input order (its rows' place taken), its
+    rows written as they come in any order, then completed with its record or abandoned; or
+    added whole, in order (add). A shard's records and rows are in input order either way."""
 
     def __init__(self, directory: Path, outputs: Sequence[str], dtype: str, width: int, shard_size: int,
                  first_index: int, metadata: dict[str, str]) -> None:
@@ -125,111 +127,87 @@ class ShardWriter:
         self.reserve_bytes = -(-len(safetensors_header(worst, metadata)) // 8) * 8  # the header area
         self.row_bytes = width * np.dtype(DTYPES[dtype][0]).itemsize
         self.shard: _OpenShard | None = None
-        self.reserved: deque[_Reserved] = deque()  # not yet completed or abandoned, in input order
-        self._part: _Reserved | None = None  # add_part's video
+        self.reserved: deque[Reservation] = deque()  # not yet completed or abandoned, in input order
         # Sealing (fsync, renames) runs on a thread of its own, in shard order: an fsync of a shard
         # of photos takes up to a second, during which the next shard keeps filling.
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-cupy seal")
         self._sealing: list[Future] = []
 
-    def reserve(self, rows: int | None) -> "_Reserved":
-        """An input whose `rows` rows (None: as many as come) are written (write_rows) before its
-        record (complete) or its failure (abandon); inputs are reserved, completed and abandoned
-        in input order, their rows written in any order. A reservation takes its place in the
-        open shard at once if the shard has room for its record (else once a shard has), rows
-        written before that wait in memory; one of rows None is the last placed until completed."""
-        reserved = _Reserved(rows)
-        self.reserved.append(reserved)
-        self._place()
-        return reserved
+    def reserve(self, rows: int) -> Reservation:
+        """An input of `rows` rows, written (write_rows) before its record (complete) or its
+        failure (abandon); inputs are reserved, completed and abandoned in input order. It takes
+        its place in the open shard at once if the shard has room for its record, else once a
+        shard has; rows written before that wait in memory."""
+        return self.take(Reservation(rows))
 
-    def write_rows(self, reserved: "_Reserved", first: int, arrays: dict[str, np.ndarray]) -> None:
+    def take(self, reservation: Reservation) -> Reservation:
+        """`reserve` for a Reservation made by the caller (BackgroundWriter's, on its thread)."""
+        self.reserved.append(reservation)
+        self._place()
+        return reservation
+
+    def write_rows(self, reservation: Reservation, first: int, arrays: dict[str, np.ndarray]) -> None:
         """Rows [first, first + n) of each output of a reserved input."""
         n = len(arrays[self.outputs[0]])
-        if reserved.rows is not None and first + n > reserved.rows:
-            raise GlmVitError(f"rows {first}-{first + n} of an input reserved {reserved.rows} rows")
-        reserved.come += n
-        if reserved.start is None:
-            reserved.buffered.append((first, arrays))
-            return
-        self._write(reserved.start + first, arrays)
-        if reserved.rows is None:
-            self.shard.end = max(self.shard.end, reserved.start + first + n)
+        if first + n > reservation.rows:
+            raise InternalError(f"rows {first}-{first + n} of an input reserved {reservation.rows} rows")
+        reservation.come += n
+        if reservation.start is None:
+            reservation.buffered.append((first, arrays))
+        else:
+            self._write(reservation.start + first, arrays)
 
-    def complete(self, reserved: "_Reserved", record: dict, grid_thw: Sequence[int]) -> None:
+    def complete(self, reservation: Reservation, record: dict, grid_thw: Sequence[int]) -> None:
         """The reserved input's metadata line (source fields): all its rows have come."""
-        self._check_first(reserved, "completed")
-        if reserved.rows is not None and reserved.come != reserved.rows:
-            raise GlmVitError(f"an input reserved {reserved.rows} rows completed with {reserved.come}")
+        self._check_first(reservation, "completed")
+        if reservation.come != reservation.rows:
+            raise InternalError(f"an input reserved {reservation.rows} rows completed with {reservation.come}")
         self.reserved.popleft()
-        shard, rows = self.shard, reserved.come
+        shard, rows = self.shard, reservation.rows
         shard.live -= 1
         shard.records.append({**record, "grid_thw": [int(v) for v in grid_thw], "tokens": rows,
                               "rows": [shard.rows, shard.rows + rows]})
-        shard.starts.append(reserved.start)
+        shard.starts.append(reservation.start)
         shard.rows += rows
-        if reserved.rows is None:
-            shard.end = reserved.start + rows
         if len(shard.records) >= self.shard_size:
             self._hand_over()
         self._place()
 
-    def abandon(self, reserved: "_Reserved") -> None:
-        """The reserved input failed (or the run stopped): its rows go off the shard's files."""
-        self._check_first(reserved, "abandoned")
+    def abandon(self, reservation: Reservation) -> None:
+        """The reserved input failed: its rows go off the shard's files (sealing closes the hole)."""
+        self._check_first(reservation, "abandoned")
         self.reserved.popleft()
-        shard = self.shard
-        if reserved.start is not None:
-            shard.live -= 1
-            placed_after = any(r.start is not None for r in self.reserved)
-            if not placed_after:  # the last placed: its rows go now (else sealing closes the hole)
-                self._truncate(shard, reserved.start)
+        if reservation.start is not None:
+            self.shard.live -= 1
+            if not any(r.start is not None for r in self.reserved):  # the last placed: cut its rows now
+                self._truncate(self.shard, reservation.start)
         self._place()
 
     def add(self, record: dict, arrays: dict[str, np.ndarray], grid_thw: Sequence[int]) -> None:
-        """One input in order: its metadata line and its rows of each output (a video's after
-        those of its add_part calls)."""
-        reserved, self._part = self._part or self.reserve(len(arrays[self.outputs[0]])), None
-        self.write_rows(reserved, reserved.come, arrays)
-        self.complete(reserved, record, grid_thw)
+        """One input whole, in order: its metadata line and its rows of each output."""
+        reservation = self.reserve(len(arrays[self.outputs[0]]))
+        self.write_rows(reservation, 0, arrays)
+        self.complete(reservation, record, grid_thw)
 
-    def add_part(self, arrays: dict[str, np.ndarray]) -> None:
-        """Rows of a video whose record comes later (add), or never (drop_part)."""
-        self._part = self._part or self.reserve(None)
-        self.write_rows(self._part, self._part.come, arrays)
-
-    def drop_part(self) -> None:
-        """Cut the rows of add_part calls whose record did not come off the shard's files."""
-        if self._part is not None:
-            part, self._part = self._part, None
-            self.abandon(part)
-
-    def _check_first(self, reserved: "_Reserved", what: str) -> None:
-        if not self.reserved or self.reserved[0] is not reserved:
-            raise GlmVitError(f"an input {what} out of input order")
+    def _check_first(self, reservation: Reservation, what: str) -> None:
+        if not self.reserved or self.reserved[0] is not reservation:
+            raise InternalError(f"an input {what} out of input order")
 
     def _place(self) -> None:
         """Give the reservations not yet placed their rows in the open shard (opening one if none
         is), in order, while it has room for their records; write what they hold."""
-        placed = None
-        for reserved in self.reserved:
-            if reserved.start is not None:
-                placed = reserved
+        for reservation in self.reserved:
+            if reservation.start is not None:
                 continue
-            if placed is not None and placed.rows is None:  # its end is not known yet
-                return
             shard = self._open()
             if len(shard.records) + shard.live >= self.shard_size:
                 return
-            reserved.start = shard.end
-            shard.end += reserved.rows or 0
+            reservation.start = shard.end
+            shard.end += reservation.rows
             shard.live += 1
-            for first, arrays in reserved.buffered:
-                self._write(reserved.start + first, arrays)
-                if reserved.rows is None:
-                    shard.end = max(shard.end, reserved.start + first + len(arrays[self.outputs[0]]))
-            reserved.buffered = []
-            placed = reserved
+            for first, arrays in reservation.buffered:
+                self._write(reservation.start + first, arrays)
+            reservation.buffered = []
 
     def _open(self) -> _OpenShard:
         if self.shard is None:
@@ -274,9 +252,8 @@ class ShardWriter:
 
     def finish(self) -> None:
         """Hand the shard in flight (if it holds any input) to the sealer: header, fsync, rename,
-        metadata; the rows of inputs without their record (a video's add_part calls, inputs
-        reserved and not completed) are cut off first. An error of an earlier seal is raised here."""
-        self._part = None
+        metadata; the rows of inputs reserved and not completed (a stopped run's) are cut off
+        first. An error of an earlier seal is raised here."""
         self.reserved.clear()
         if self.shard is not None:
             self.shard.live = 0
@@ -415,13 +392,23 @@ class BackgroundWriter:
         self._check()
         self._put(sum(a.nbytes for a in arrays.values()), (self.writer.add, record, arrays, grid_thw))
 
-    def add_part(self, arrays: dict[str, np.ndarray]) -> None:
+    def reserve(self, rows: int) -> Reservation:
         self._check()
-        self._put(sum(a.nbytes for a in arrays.values()), (self.writer.add_part, arrays))
+        reservation = Reservation(rows)
+        self._put(0, (self.writer.take, reservation))
+        return reservation
 
-    def drop_part(self) -> None:
+    def write_rows(self, reservation: Reservation, first: int, arrays: dict[str, np.ndarray]) -> None:
         self._check()
-        self._put(0, (self.writer.drop_part,))
+        self._put(sum(a.nbytes for a in arrays.values()), (self.writer.write_rows, reservation, first, arrays))
+
+    def complete(self, reservation: Reservation, record: dict, grid_thw: Sequence[int]) -> None:
+        self._check()
+        self._put(0, (self.writer.complete, reservation, record, grid_thw))
+
+    def abandon(self, reservation: Reservation) -> None:
+        self._check()
+        self._put(0, (self.writer.abandon, reservation))
 
     def _drain(self) -> None:
         self._put(0, None)
