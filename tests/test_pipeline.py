@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.collection.pipeline import Decoder, plan_batches, stream
+from glmvit_cupy.collection.pipeline import Decoder, encode_collection, plan_batches, stream
 from glmvit_cupy.collection.shards import FORMAT, BackgroundWriter, ShardWriter, read_embeddings
 from glmvit_cupy.collection.sources import expand_inputs
 from glmvit_cupy.processor.preprocess import ProcessorConfig
@@ -440,6 +440,17 @@ def test_a_full_disk_is_one_line_and_leaves_whole_shards(tmp_path, tiny):
     again = run("encode", str(tmp_path / "img"), "--model", tiny, "--out-dir", str(out), "--backend", "numpy",
                 "--workers", "1", "--shard-size", "5")
     assert again.returncode == 0 and "skipped 5" in again.stderr and len(records(out)) == 12
+
+
+def test_one_source_given_twice_is_two_inputs(tmp_path, vit):
+    """The writer tells a collection's inputs apart by their place in the stream, not by the
+    object: the same Source twice is encoded twice, in order."""
+    make_images(tmp_path / "img", 1, seed=5)
+    (source,) = expand_inputs([str(tmp_path / "img")])
+    summary = encode_collection(vit, [source, source], tmp_path / "out", workers=1, shard_size=5, dtype="float32")
+    (first, a), (second, b) = read_embeddings(tmp_path / "out")
+    assert summary.encoded == 2 and first["path"] == second["path"] == source.key
+    assert np.array_equal(a["pooler_output"], b["pooler_output"])
 
 
 def test_the_shard_writers_queue_is_bounded_in_bytes(tmp_path):

@@ -495,15 +495,18 @@ class Encoded:
     sha256: str | None = None
     video: ClipInfo | None = None
     batch: int | None = None  # the stream's forward batch that computed it (0, 1, ...; a video's last)
+    index: int | None = None  # its place in the stream's input order (0, 1, ...)
 
 
 @dataclasses.dataclass
 class Reserve:
     """In a stream of parts (encode_prepared(parts=True)): an input admitted, in input order,
-    whose `rows` rows come as Parts before its Encoded."""
+    whose `rows` rows come as Parts before its Encoded; `index` names it in both (the same
+    input may come twice)."""
 
     item: Any
     rows: int
+    index: int
 
 
 @dataclasses.dataclass
@@ -515,6 +518,7 @@ class Part:
     item: Any
     arrays: dict[str, np.ndarray]
     first: int
+    index: int
 
 
 @dataclasses.dataclass
@@ -540,7 +544,7 @@ class _Slot:
 
     def fail(self, error: str) -> None:
         prep = self.prep
-        self.result = Encoded(self.item, None, None, error, prep.nbytes, prep.sha256, prep.video)
+        self.result = Encoded(self.item, None, None, error, prep.nbytes, prep.sha256, prep.video, index=self.index)
 
     def finish(self, stats: StreamStats, batch: int | None, parts: bool) -> None:
         """All its pieces are collected (the last in forward batch `batch`): its rows joined in
@@ -560,7 +564,7 @@ class _Slot:
             stats.tokens += self.tokens
             prep = self.prep
             self.result = Encoded(self.item, arrays, np.array(self.grid, dtype=np.int64), None, prep.nbytes,
-                                  prep.sha256, prep.video, batch)
+                                  prep.sha256, prep.video, batch, self.index)
 
 
 class StreamTurn:
@@ -719,7 +723,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
         for slot in order if parts else ():
             if slot.error is None:
                 for rows in slot.rows:
-                    yield Part(slot.item, rows, slot.handed)
+                    yield Part(slot.item, rows, slot.handed, slot.index)
                     slot.handed += len(next(iter(rows.values())))
                 slot.rows = []
         while order and order[0].result is not None:
@@ -751,7 +755,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 prep.groups.abandon()
             return
         if parts:
-            announced.append(Reserve(slot.item, h * w * slot.grid[0] // merge))
+            announced.append(Reserve(slot.item, h * w * slot.grid[0] // merge, slot.index))
         if prep.groups is None:
             canvas_, prep.canvas = prep.canvas, None  # the batch holds it
             place(slot, canvas_)
@@ -887,21 +891,21 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
         writer = BackgroundWriter(ShardWriter(directory.directory, outputs, dtype, vit.geometry.out_hidden_size,
                                               shard_size, directory.next_index, metadata))
         stats, failures, encoded = StreamStats(), [], 0
-        reserved: dict[int, Any] = {}  # id of an input announced -> its reservation
+        reserved: dict[int, Any] = {}  # an input announced (its index in the stream) -> its reservation
         if progress is not None:
             progress.start(len(todo))
         try:
             for result in stream(vit, todo, outputs=outputs, dtype=dtype, processor=processor, stats=stats,
                                  decoder=decoder, stager=stager, parts=True):
                 if isinstance(result, Reserve):  # its rows' place in the shard, taken in input order
-                    reserved[id(result.item)] = writer.reserve(result.rows)
+                    reserved[result.index] = writer.reserve(result.rows)
                     continue
                 if isinstance(result, Part):  # rows go to their place as they come
-                    writer.write_rows(reserved[id(result.item)], result.first, result.arrays)
+                    writer.write_rows(reserved[result.index], result.first, result.arrays)
                     continue
                 if result.error is not None:
-                    if id(result.item) in reserved:  # it failed after its place was taken, or some of its rows
-                        writer.abandon(reserved.pop(id(result.item)))
+                    if result.index in reserved:  # it failed after its place was taken, or some of its rows
+                        writer.abandon(reserved.pop(result.index))
                     failures.append({**result.item.record(), "kind": result.item.kind, "error": result.error})
                     directory.write_failures(failures)
                     if fail_fast:
@@ -909,7 +913,7 @@ def encode_collection(vit, sources: Sequence[Source], out_dir: str | Path, *, wo
                 else:
                     kind = {"kind": "image"} if result.video is None else result.video.record()
                     record = {**result.item.record(), **kind, "bytes": result.nbytes, "sha256": result.sha256}
-                    writer.complete(reserved.pop(id(result.item)), record, result.grid_thw)
+                    writer.complete(reserved.pop(result.index), record, result.grid_thw)
                     encoded += 1
                 if progress is not None:
                     progress(result, stats)
