@@ -755,7 +755,7 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 prep.groups.abandon()
             return
         if parts:
-            announced.append(Reserve(slot.item, h * w * slot.grid[0] // merge, slot.index))
+            announced.append(Reserve(slot.item, slot.grid[0] * group_tokens(slot), slot.index))
         if prep.groups is None:
             canvas_, prep.canvas = prep.canvas, None  # the batch holds it
             place(slot, canvas_)

@@ -255,8 +255,6 @@ class ShardWriter:
         metadata; the rows of inputs reserved and not completed (a stopped run's) are cut off
         first. An error of an earlier seal is raised here."""
         self.reserved.clear()
-        if self.shard is not None:
-            self.shard.live = 0
         self._hand_over()
 
     def _hand_over(self) -> None:
@@ -300,7 +298,7 @@ class ShardWriter:
                         raise InternalError(f"{name} of shard {shard.index} ends before the rows of {record['path']}")
                     os.pwrite(fd, chunk, base + dst)
                     src, dst, left = src + len(chunk), dst + len(chunk), left - len(chunk)
-            os.ftruncate(fd, base + shard.rows * self.row_bytes)
+        self._truncate(shard, shard.rows)
 
     def _seal(self, shard: _OpenShard) -> None:
         n, rows = len(shard.records), shard.rows
