@@ -64,8 +64,9 @@ DEFAULT_OUTPUT = "pooler"  # the merger's output: what the LM splices in
 # Rows a stream may compute of inputs after the first video whose frames still come: while one
 # worker decodes that video slower than the engine takes it, the groups of later inputs keep
 # the engine busy, their rows held until their turn, or, in a stream of parts, handed to the
-# shard writer, which holds those past its open shard (2 GiB: 262,144 tokens of the bf16 pooler).
-ROW_BYTES_AHEAD = 2 << 30
+# shard writer, which holds those past its open shard (4 GiB: 524,288 tokens of the bf16 pooler,
+# as many bytes as the frames ahead, clips.FRAME_BYTES_AHEAD).
+ROW_BYTES_AHEAD = 4 << 30
 
 
 @dataclasses.dataclass
