@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 
@@ -33,6 +32,10 @@ def f32_to_bf16_bits(x: Any) -> Any:
 def bf16_array(bits: np.ndarray) -> np.ndarray:
     """uint16 BF16 bits as an array of ml_dtypes.bfloat16 (the ecosystem's NumPy bfloat16, JAX's
     and TensorFlow's): what the library returns, so a caller computes on values, not bits."""
+    # Imported here, at the first value handed out: its import costs ~1 s of CPU (registering its
+    # dtypes with NumPy), which every decode worker's start and a collection run would pay for nothing.
+    import ml_dtypes
+
     return bits.view(ml_dtypes.bfloat16)
 
 

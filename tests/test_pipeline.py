@@ -550,3 +550,18 @@ def test_an_empty_file_says_so(tmp_path, tiny):
     errors = [json.loads(line)["error"] for line in (out / "failures.jsonl").read_text().splitlines()]
     assert errors == [f"{tmp_path / 'img' / 'zero.jpg'}: empty file (0 bytes)",
                       f"{tmp_path / 'data.tar'}:member.png: empty file (0 bytes)"]
+
+
+def test_neither_a_decode_worker_nor_a_collection_run_imports_ml_dtypes(tmp_path, tiny_ckpt):
+    """ml_dtypes costs ~1 s of CPU to import (its dtypes registered with NumPy): every decode
+    worker's interpreter (it imports the pipeline's module) and every collection run would pay it
+    before their first input. Only `bf16_array`, handing out values, imports it."""
+    check = "import sys, atexit; atexit.register(lambda: print('ml_dtypes' in sys.modules))\n"
+    worker = subprocess.run([sys.executable, "-c", check + "import glmvit_cupy.collection.pipeline"],
+                            capture_output=True, text=True)
+    assert worker.returncode == 0 and worker.stdout.strip() == "False", worker.stderr
+    make_images(tmp_path / "img", 2)
+    run = subprocess.run([sys.executable, "-c", check + "import cli; cli.main()", "encode", str(tmp_path / "img"),
+                          "--model", str(tiny_ckpt), "--out-dir", str(tmp_path / "out"), "--backend", "numpy",
+                          "--dtype", "bfloat16", "--workers", "1", "--quiet"], capture_output=True, text=True)
+    assert run.returncode == 0 and "encoded 2" in run.stderr and run.stdout.strip() == "False", run.stderr
