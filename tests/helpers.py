@@ -3,8 +3,10 @@ processes a test started."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,79 @@ def rel_err(a, b) -> float:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# Rows of the same input from another forward batch: float32 sums in another order, within this
+# relative Frobenius error (test_pipeline's batched against alone); a BF16 output is such a result
+# rounded to nearest, so an element may land on the neighbouring BF16 value.
+TOLERANCE = 1e-5
+BF16_TOLERANCE = 2 * 2.0 ** -8 + TOLERANCE
+
+
+@functools.cache
+def blas_rows_stable() -> bool:
+    """Whether this NumPy's BLAS gives each row of a float32 product the same bits whatever the
+    rows beside it (the tiny tower's shapes). OpenBLAS did on the Intel machines the tests ran on,
+    so the NumPy backend's outputs are held bit for bit across batches there; on an AMD EPYC (Zen 3,
+    OpenBLAS's Haswell kernels) a row's bits depend on how many rows share the product, with one
+    thread too, and they are held within TOLERANCE."""
+    rng = np.random.default_rng(0)
+    for k, n in ((64, 192), (64, 128), (128, 64), (256, 96)):
+        a, w = rng.standard_normal((97, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+        whole = a @ w
+        if any(not np.array_equal(a[:m] @ w, whole[:m]) for m in (1, 5, 17, 40, 64)):
+            return False
+    return True
+
+
+def _values(array) -> np.ndarray:
+    """float64 values of an output array: BF16 (uint16 bits or ml_dtypes.bfloat16) widened."""
+    array = np.asarray(array)
+    if array.dtype == np.uint16 or array.dtype.name == "bfloat16":
+        return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return array.astype(np.float64)
+
+
+def assert_same_rows(got, want, what: str = "") -> None:
+    """Rows of the same inputs computed in other batches: the same bits where the BLAS keeps a
+    row's bits in any batch (blas_rows_stable; always for the GPU's and integer arrays), else
+    within TOLERANCE (BF16_TOLERANCE for BF16)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
+    if blas_rows_stable() or not (want.dtype.kind == "f" or want.dtype == np.uint16 or want.dtype.name == "bfloat16"):
+        assert np.array_equal(got, want), what
+        return
+    bf16 = want.dtype == np.uint16 or want.dtype.name == "bfloat16"
+    err = rel_err(_values(got), _values(want)) if want.size else 0.0
+    assert err <= (BF16_TOLERANCE if bf16 else TOLERANCE), f"{what}: relative error {err:.3e}"
+
+
+def _safetensors(path: Path) -> tuple[bytes, dict, bytes]:
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    return raw[:8 + size], json.loads(raw[8:8 + size]), raw[8 + size:]
+
+
+def assert_same_outputs(got: Path, want: Path) -> None:
+    """Two output directories of `encode --out-dir` computed in other batches hold the same files:
+    byte for byte where the BLAS keeps a row's bits in any batch; else every file but the shards'
+    tensors byte for byte (headers included: names, dtypes, shapes, offsets) and each tensor by
+    assert_same_rows."""
+    names = sorted(p.name for p in got.iterdir())
+    assert names == sorted(p.name for p in want.iterdir()), (names, sorted(p.name for p in want.iterdir()))
+    for name in names:
+        if blas_rows_stable() or not name.endswith(".safetensors"):
+            assert (got / name).read_bytes() == (want / name).read_bytes(), name
+            continue
+        (head, header, data), (want_head, _, want_data) = _safetensors(got / name), _safetensors(want / name)
+        assert head == want_head and len(data) == len(want_data), name
+        dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64}
+        for tensor, spec in header.items():
+            if tensor == "__metadata__":
+                continue
+            start, end = spec["data_offsets"]
+            rows = [np.frombuffer(d[start:end], dtype=dtypes[spec["dtype"]]).reshape(spec["shape"]) for d in (data, want_data)]
+            assert_same_rows(*rows, what=f"{name} {tensor}")
 
 
 # The GPU engine's kernel sets the gpu tests run (model.KERNELS but "auto"): the Hopper ones,

@@ -35,15 +35,11 @@ from glmvit_cupy.collection.sources import expand_inputs  # noqa: E402
 from glmvit_cupy.deploy.ray import GlmVitEmbedder, Plan, ShardSink, cluster_plan, embed, parts, rows_of  # noqa: E402
 from glmvit_cupy.errors import GlmVitError  # noqa: E402
 from glmvit_cupy.model import gpu_available  # noqa: E402
-from helpers import rel_err  # noqa: E402
+from helpers import BF16_TOLERANCE, TOLERANCE, assert_same_rows, rel_err  # noqa: E402
 from test_pipeline import make_images, run  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ray_embed.py"
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-TOLERANCE = 1e-5  # float32 outputs of the same images summed in another order (test_pipeline's batched vs alone)
-# A BF16 output is the float32 result rounded to nearest (relative error at most 2^-8 an element), so two
-# BF16 outputs of float32 results within TOLERANCE of each other are within 2 x 2^-8 + TOLERANCE.
-BF16_TOLERANCE = 2 * 2.0 ** -8 + TOLERANCE
 
 
 @contextlib.contextmanager
@@ -128,7 +124,7 @@ def test_the_example_with_its_defaults_on_a_cluster_without_gpus_is_encode(tmp_p
     assert sorted(got) == sorted(want) and len(list(read_records(parts(out)))) == 11  # one record each
     for key, (record, arrays) in got.items():
         assert same_record(record, want[key][0])
-        assert np.array_equal(arrays["pooler_output"], want[key][1]["pooler_output"]), key
+        assert_same_rows(arrays["pooler_output"], want[key][1]["pooler_output"], key)
 
 
 def test_other_batches_and_blas_threads_stay_within_the_rounding_bound(tmp_path, tiny_ckpt, cluster):

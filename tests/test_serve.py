@@ -28,11 +28,10 @@ from glmvit_cupy.tower.checkpoint import locate_tower  # noqa: E402
 from glmvit_cupy.tower.synthetic import write_checkpoint  # noqa: E402
 from glmvit_cupy.deploy.front import b64decode  # noqa: E402
 from glmvit_cupy.deploy.serve import SEND_BUFFER_BYTES, SWITCH_INTERVAL_S, listen  # noqa: E402
-from helpers import bomb_png, photo_like, rel_err  # noqa: E402
+from helpers import TOLERANCE, bomb_png, photo_like, rel_err  # noqa: E402
 from serving import ServerProcess, alive  # noqa: E402
 from test_cli import assert_clean_failure, run  # noqa: E402
 
-TOLERANCE = 1e-5  # float32 outputs of the same image in another batch (test_pipeline's batched vs alone)
 PAYLOAD_LIMIT = 4 * 2**20
 HUGE = 1344  # a side whose forward takes ~1.7 s on this tower on this CPU: the engine stays busy a while
 

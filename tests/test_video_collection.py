@@ -33,6 +33,7 @@ from glmvit_cupy.processor.preprocess import ProcessorConfig
 from glmvit_cupy.processor.video import VideoConfig, video_config
 from glmvit_cupy.tower.checkpoint import read_header
 from glmvit_cupy.tower.synthetic import write_checkpoint
+from helpers import assert_same_outputs, assert_same_rows
 from test_batcher import _decode_children
 from test_pipeline import CLI as CLI_ARGS, make_images, records, run
 from test_video import write_audio_only, write_clip
@@ -125,7 +126,7 @@ def test_clips_and_images_equal_encode_video_and_encode(collection, ckpt, vit, e
             record, arrays = got[str(collection / name), None]
             want = vit.encode_video(collection / name, config=config)
         for output in ("pooler_output", "last_hidden_state"):  # exact: the same rows, cut elsewhere
-            assert np.array_equal(arrays[output], getattr(want, output)), (name, output)
+            assert_same_rows(arrays[output], getattr(want, output), f"{name} {output}")
         assert np.array_equal(arrays["grid_thw"], want.grid_thw[0]) and record["grid_thw"] == want.grid_thw[0].tolist()
         assert np.array_equal(arrays["timestamps"], want.timestamps) and arrays["timestamps"].dtype == np.float64
         assert record["kind"] == "video" and record["frames"] == want.frames and record["fps"] == want.fps
@@ -144,7 +145,7 @@ def test_clips_and_images_equal_encode_video_and_encode(collection, ckpt, vit, e
             want = vit.encode(path, output="both", dtype="float32", workers=0)[0]
         assert record["kind"] == "image" and "timestamps" not in arrays
         for output in ("pooler_output", "last_hidden_state"):
-            assert np.array_equal(arrays[output], getattr(want, output)), (path, output)
+            assert_same_rows(arrays[output], getattr(want, output), f"{path} {output}")
 
 
 def test_a_bad_clip_fails_alone_as_one_line(collection, encoded):
@@ -178,10 +179,7 @@ def test_engine_processes_write_what_one_engine_writes(collection, ckpt, encoded
     proc = encode(collection, tmp_path / "two", ckpt, "--devices", "0,1")
     assert proc.returncode == 1 and "encoded 10, skipped 0, failed 4" in proc.stderr, proc.stderr
     assert " inputs/s, " in proc.stderr and "images/s" not in proc.stderr  # clips are not images
-    names = sorted(p.name for p in one.iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
-    for name in names:
-        assert (one / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    assert_same_outputs(tmp_path / "two", one)
 
 
 def test_a_resume_skips_the_videos_done(collection, ckpt, tmp_path):
@@ -335,10 +333,7 @@ def test_a_streamed_run_writes_what_a_run_decoding_whole_writes(collection, ckpt
     one, whole = encoded[1], tmp_path / "whole"
     proc = encode(collection, whole, ckpt, "--workers", "0")
     assert proc.returncode == 1 and "encoded 10, skipped 0, failed 4" in proc.stderr, proc.stderr
-    names = sorted(p.name for p in one.iterdir())
-    assert names == sorted(p.name for p in whole.iterdir())
-    for name in names:
-        assert (one / name).read_bytes() == (whole / name).read_bytes(), name
+    assert_same_outputs(whole, one)
 
 
 def _mid_video_collection(root: Path) -> Path:
@@ -392,17 +387,14 @@ def test_interrupted_mid_video_resumes_to_the_same_outputs(ckpt, tmp_path, sig, 
     resumed = subprocess.run([*args, "--out-dir", str(out)], capture_output=True, text=True)
     assert resumed.returncode == 0 and f"skipped {len(kept)}" in resumed.stderr, resumed.stderr
     if shard_size == 1:
-        names = sorted(p.name for p in out.iterdir())
-        assert names == sorted(p.name for p in (tmp_path / "whole").iterdir())
-        for name in names:
-            assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+        assert_same_outputs(out, tmp_path / "whole")
     got = {r["path"]: (r, a) for r, a in read_embeddings(out)}
     want = {r["path"]: (r, a) for r, a in read_embeddings(tmp_path / "whole")}
     assert sorted(got) == sorted(want) and len(got) == 3
     for path, (record, arrays) in want.items():
         assert {**got[path][0], "rows": None} == {**record, "rows": None}
         for name, array in arrays.items():
-            assert np.array_equal(got[path][1][name], array), (path, name)
+            assert_same_rows(got[path][1][name], array, f"{path} {name}")
 
 
 def test_a_video_failing_after_rows_were_written_leaves_none(ckpt, tmp_path):
@@ -581,9 +573,9 @@ def test_later_videos_are_packed_while_the_first_ones_frames_are_slow(collection
             rows = np.full_like(want.arrays["pooler_output"], np.nan)
             for part in (r for r in results if isinstance(r, Part) and r.item is got.item):
                 rows[part.first:part.first + len(part.arrays["pooler_output"])] = part.arrays["pooler_output"]
-            assert np.array_equal(rows, want.arrays["pooler_output"])
+            assert_same_rows(rows, want.arrays["pooler_output"])
         else:
-            assert np.array_equal(got.arrays["pooler_output"], want.arrays["pooler_output"])
+            assert_same_rows(got.arrays["pooler_output"], want.arrays["pooler_output"])
     if parts:  # b held ahead: its rows went as they were collected, before a's Encoded
         first_a = next(i for i, r in enumerate(results) if isinstance(r, Encoded))
         assert [r for r in results[:first_a] if isinstance(r, Part) and r.item is items[1]]
