@@ -6,12 +6,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from glmvit_cupy.tower import synthetic
+from glmvit_cupy.tower.checkpoint import read_header
 
 PREFIX = "model.visual."
 photo_like = synthetic.photo_like  # the tests' images (and `glmvit-cupy bench`'s)
@@ -47,9 +47,14 @@ def blas_rows_stable() -> bool:
     return True
 
 
-def _values(array) -> np.ndarray:
-    """float64 values of an output array: BF16 (uint16 bits or ml_dtypes.bfloat16) widened."""
-    array = np.asarray(array)
+def _bf16(array: np.ndarray) -> bool:
+    """BF16 as bits (uint16), as ml_dtypes values, or widened to float32 (read_embeddings: every low half zero)."""
+    return (array.dtype == np.uint16 or array.dtype.name == "bfloat16"
+            or (array.dtype == np.float32 and not (array.view(np.uint32) & np.uint32(0xFFFF)).any()))
+
+
+def _values(array: np.ndarray) -> np.ndarray:
+    """float64 values of an output array, BF16 bits (or ml_dtypes values) widened."""
     if array.dtype == np.uint16 or array.dtype.name == "bfloat16":
         return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return array.astype(np.float64)
@@ -61,20 +66,11 @@ def assert_same_rows(got, want, what: str = "") -> None:
     (BF16_TOLERANCE for BF16)."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
-    if blas_rows_stable() or not (want.dtype.kind == "f" or want.dtype == np.uint16 or want.dtype.name == "bfloat16"):
+    if blas_rows_stable() or not (want.dtype.kind == "f" or _bf16(want)):
         assert np.array_equal(got, want), what
         return
-    # BF16 as bits, as ml_dtypes values, or widened to float32 (read_embeddings: every low half zero)
-    bf16 = (want.dtype == np.uint16 or want.dtype.name == "bfloat16"
-            or (want.dtype == np.float32 and not (want.view(np.uint32) & np.uint32(0xFFFF)).any()))
     err = rel_err(_values(got), _values(want)) if want.size else 0.0
-    assert err <= (BF16_TOLERANCE if bf16 else TOLERANCE), f"{what}: relative error {err:.3e}"
-
-
-def _safetensors(path: Path) -> tuple[bytes, dict, bytes]:
-    raw = path.read_bytes()
-    (size,) = struct.unpack("<Q", raw[:8])
-    return raw[:8 + size], json.loads(raw[8:8 + size]), raw[8 + size:]
+    assert err <= (BF16_TOLERANCE if _bf16(want) else TOLERANCE), f"{what}: relative error {err:.3e}"
 
 
 def assert_same_outputs(got: Path, want: Path) -> None:
@@ -84,18 +80,17 @@ def assert_same_outputs(got: Path, want: Path) -> None:
     assert_same_rows."""
     names = sorted(p.name for p in got.iterdir())
     assert names == sorted(p.name for p in want.iterdir()), (names, sorted(p.name for p in want.iterdir()))
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64}
     for name in names:
+        raw, want_raw = (got / name).read_bytes(), (want / name).read_bytes()
         if blas_rows_stable() or not name.endswith(".safetensors"):
-            assert (got / name).read_bytes() == (want / name).read_bytes(), name
+            assert raw == want_raw, name
             continue
-        (head, header, data), (want_head, _, want_data) = _safetensors(got / name), _safetensors(want / name)
-        assert head == want_head and len(data) == len(want_data), name
-        dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64}
-        for tensor, spec in header.items():
-            if tensor == "__metadata__":
-                continue
-            start, end = spec["data_offsets"]
-            rows = [np.frombuffer(d[start:end], dtype=dtypes[spec["dtype"]]).reshape(spec["shape"]) for d in (data, want_data)]
+        entries, _ = read_header(got / name)
+        start = min(e.begin for e in entries.values())
+        assert raw[:start] == want_raw[:start] and len(raw) == len(want_raw), name
+        for tensor, e in entries.items():
+            rows = [np.frombuffer(r[e.begin:e.end], dtype=dtypes[e.dtype]).reshape(e.shape) for r in (raw, want_raw)]
             assert_same_rows(*rows, what=f"{name} {tensor}")
 
 
