@@ -14,7 +14,9 @@ httpx load generator, beside the forward-only rate of the same images, in one ru
 3. The server (tests/serving.py): `glmvit-cupy serve --model M --backend B --max-queue Q`, healthy.
 4. Lone: --lone requests of a 448x448 photo, one at a time from a blocking httpx client (through
    /v1/embeddings, then as many through /embed, the file's bytes in): p50 / p99 latency, against the forward, and
-   where it goes: the medians of the server's timing headers and of the client's time beyond them.
+   where it goes: the medians of the server's timing headers and of the client's time beyond them. After
+   each route, one request body --lone + 1 times: its cache hits cost what a request costs beside its decode
+   and forward (HTTP, the hops, the answer's transfer), the floor under the lone request's latency.
    Then each photo once, alone, one at a time (the load's asyncio client): step 6's baseline.
 5. Saturation: --concurrency clients in a closed loop, every image once: images/s, against the forward;
    the CPU the server's busiest thread (its event loop) and its whole process tree used meanwhile.
@@ -254,11 +256,14 @@ def _client_step(step: str, args: tuple) -> list[dict]:
     "repeat" (body, requests, clients); "poisson" (rate, seconds)."""
     url = _client["url"]
     if step == "lone":
-        image, requests, route = args
+        image, requests, route, same = args  # same: one body every time (a miss, then hits)
         lone = Bodies(image, "image/jpeg")
+        body = lone.next if route == "/v1/embeddings" else lone.next_file
+        if same:
+            fixed = body()
+            body = lambda: fixed  # noqa: E731
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            return [post_lone(client, url, lone.next() if route == "/v1/embeddings" else lone.next_file(), route)
-                    for _ in range(requests)]
+            return [post_lone(client, url, body(), route) for _ in range(requests)]
 
     async def go() -> list[dict]:
         limits = httpx.Limits(max_connections=_client["connections"], max_keepalive_connections=None)
@@ -389,13 +394,21 @@ def drive(args: argparse.Namespace, server: ServerProcess, files: list[str], lon
         record: dict = {"clients": args.clients,
                         "batch_tokens_max": info["limits"]["p_max"] // geo["spatial_merge_size"] ** 2}
         for key, route in (("lone", "/v1/embeddings"), ("lone_embed", "/embed")):
-            results = load.one("lone", (lone, args.lone, route))
+            results = load.one("lone", (lone, args.lone, route, False))
             computed = [r for r in results if r.get("cache") == "miss"]
             if len(computed) < len(results):  # a hit is no lone computation: the step measured nothing
                 raise SystemExit(f"serve: error: {len(results) - len(computed)} of the lone requests through {route} "
                                  "were not computed (cache hits or failures)")
             record[key] = dict(latency(results), median_ms=stage_split(results))
             print(f"lone {LONE_SIDE}x{LONE_SIDE} through {route}: {record[key]}", flush=True)
+            # The same request's answer from the cache: no decode, no forward, what the rest costs
+            results = load.one("lone", (lone + b"hit", args.lone + 1, route, True))[1:]
+            hits = [r for r in results if r.get("cache") == "hit"]
+            if len(hits) < len(results):
+                raise SystemExit(f"serve: error: {len(results) - len(hits)} of the repeated lone requests through "
+                                 f"{route} were not cache hits")
+            record[f"{key}_hit"] = dict(latency(results), median_ms=stage_split(results))
+            print(f"lone {LONE_SIDE}x{LONE_SIDE} cache hits through {route}: {record[f'{key}_hit']}", flush=True)
 
         results = load.one("alone", (list(range(len(files))),))
         if any(r["status"] != 200 for r in results):
@@ -502,6 +515,9 @@ def markdown(r: dict) -> str:
              f"the client's latency beyond the server's total | {lone['median_ms']} | |",
              f"| the same through `POST /embed` (the file's bytes in, a safetensors file of the pooler out): p50 / "
              f"p99 ms; medians as above | {embed['p50_ms']} / {embed['p99_ms']}; {embed['median_ms']} | |",
+             *[f"| the same request repeated, a cache hit (no decode, no forward: the HTTP, the hops and the answer's "
+               f"transfer) through {route}: p50 / p99 ms; medians as above | {h['p50_ms']} / {h['p99_ms']}; "
+               f"{h['median_ms']} | |" for route, h in (("/v1/embeddings", r["lone_hit"]), ("/embed", r["lone_embed_hit"]))],
              *[row for p in r["poisson"] for row in (
                  f"| Poisson at {p['share']:.0%} ({p['rate']:.1f}/s): p50 / p99 ms, statuses | {p['p50_ms']} / "
                  f"{p['p99_ms']}, {p['statuses']} | " + (f"p99 <= {TARGETS['p99_at_half_over_lone']:.0f}x lone p50"
