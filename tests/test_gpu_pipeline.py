@@ -116,6 +116,32 @@ def test_the_stager_overlaps_the_next_upload_with_the_forward(real_ckpt, canvase
     assert ahead_ms > 0
 
 
+def test_a_warmed_up_stager_computes_what_a_cold_one_does(real_ckpt, canvases):
+    """CupyStager.warm_up (a stream runs it while its first inputs decode) leaves the engine as its
+    first batch would: fresh engines given the same batches give the same bits with and without
+    it, and it made the scratch and both output slots, so the first batch finds them."""
+    batches = [canvases[:3], canvases[3:]]
+    grids = [np.array([canvas_grid(c.shape) for c in b], dtype=np.int64) for b in batches]
+    outputs = ("pooler_output", "last_hidden_state")
+    results = []
+    for warm in (False, True):
+        vit = GlmVit.from_pretrained(real_ckpt, backend="cupy")
+        stager = CupyStager(vit.tower, ProcessorConfig())
+        if warm:
+            stager.warm_up(outputs, "bfloat16")
+            stager.warm_up(outputs, "bfloat16")  # once is enough: a second does no forward
+            assert vit.tower.warm and vit.tower.scratch is not None
+            assert not vit.tower.graphs  # a second forward of its grid would have been captured
+            assert all(set(slot) == set(outputs) for slot in stager.pinned_out)
+        else:
+            assert vit.tower.scratch is None and not any(stager.pinned_out)
+        pending = [stager.submit(b, g, outputs, "bfloat16") for b, g in zip(batches, grids)]
+        results.append([{k: v.copy() for k, v in p.result().items()} for p in pending])
+    for cold, warmed in zip(*results):
+        for name in outputs:
+            assert np.array_equal(cold[name], warmed[name]), name
+
+
 def test_engines_with_their_own_budgets_and_devices_share_one_bound_checkpoint(real_ckpt, vit):
     weights = bind_checkpoint(real_ckpt)
     small = GlmVit.from_weights(weights, "cupy", max_pixels=448 * 448, device=0)

@@ -15,15 +15,17 @@ import termios
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.collection.pipeline import Decoder, encode_collection, plan_batches, stream
+from glmvit_cupy.collection.pipeline import Decoder, encode_collection, encode_prepared, plan_batches, prepare, stream
 from glmvit_cupy.collection.shards import FORMAT, BackgroundWriter, ShardWriter, read_embeddings
 from glmvit_cupy.collection.sources import expand_inputs
+from glmvit_cupy.collection.staging import make_stager
 from glmvit_cupy.processor.preprocess import ProcessorConfig
 from glmvit_cupy.tower.synthetic import write_checkpoint
 from helpers import assert_same_rows, photo_like, rel_err
@@ -267,6 +269,7 @@ import sys, tracemalloc
 from glmvit_cupy import GlmVit
 from glmvit_cupy.collection.pipeline import encode_collection
 from glmvit_cupy.collection.sources import expand_inputs
+from glmvit_cupy.collection.staging import make_stager
 
 model, images, out = sys.argv[1:]
 vit = GlmVit.from_pretrained(model, backend="numpy", max_pixels=8 * 64 * 196, max_image_tokens=16)
@@ -343,6 +346,75 @@ def test_the_packer_keeps_two_batches_on_the_engine(tiny):
     next(results)
     assert len(pulled) - (decoder.window - 1) == 2 * 5 + 1
     assert sum(1 for _ in results) == 39
+
+
+class WarmingStager:
+    """The NumPy stager with a warm-up that takes `seconds` (or fails with `error`), recording when
+    it and each submit ran (what staging.CupyStager.warm_up pays on the GPU)."""
+
+    def __init__(self, vit, seconds: float = 0.0, error: str | None = None) -> None:
+        self.inner, self.seconds, self.error = make_stager(vit, vit.processor), seconds, error
+        self.depth, self.engines = self.inner.depth, self.inner.engines
+        self.started, self.events = threading.Event(), []
+
+    def warm_up(self, outputs, dtype) -> None:
+        self.started.set()
+        self.events.append("warm-up began")
+        time.sleep(self.seconds)
+        if self.error:
+            raise GlmVitError(self.error)
+        self.events.append("warm-up ended")
+
+    def submit(self, *args):
+        self.events.append("submit")
+        return self.inner.submit(*args)
+
+
+def prepared_after(stager: WarmingStager, images: list, noted: list) -> Iterator:
+    """The decoded inputs as encode_prepared takes them, the first handed over only once the
+    stager's warm-up has begun (noting whether it had within 5 s): as a decode pool's first
+    input comes while the warm-up runs."""
+    noted.append(stager.started.wait(5))
+    for image in images:
+        yield image, prepare(image, ProcessorConfig())
+
+
+def test_the_engines_warm_up_runs_while_the_first_inputs_decode(vit):
+    """The stager's first-batch costs (CupyStager.warm_up: ~0.2 s on the H200) are paid on a
+    thread that starts with the stream, so the first input's decode does not wait for them, and
+    the first batch is submitted after them; the results are the same."""
+    images = [photo_like(40 + i, 50, seed=i) for i in range(3)]
+    stager, noted = WarmingStager(vit, seconds=0.3), []
+    got = list(encode_prepared(vit, prepared_after(stager, images, noted), stager=stager))
+    assert noted == [True]  # the warm-up had begun before the first input was handed over
+    assert stager.events[:3] == ["warm-up began", "warm-up ended", "submit"]
+    want = [r.arrays["pooler_output"] for r in stream(vit, images, workers=0)]
+    assert [r.error for r in got] == [None] * 3
+    for r, w in zip(got, want):
+        assert_same_rows(r.arrays["pooler_output"], w)
+    assert not [t for t in threading.enumerate() if t.name.startswith("glmvit-warm-up")]
+
+
+@pytest.mark.parametrize("inputs", ["images", "all failing"])
+def test_a_failed_warm_up_fails_the_stream(vit, inputs):
+    """A warm-up that fails (a GPU fault) is the stream's failure with its message, also when no
+    batch follows it (every input failed to decode), and no warm-up thread is left running."""
+    images = [photo_like(40, 50, seed=1)] if inputs == "images" else [b"not an image", b"nor this"]
+    stager = WarmingStager(vit, error="the GPU failed in the warm-up: an illegal memory access")
+    with pytest.raises(GlmVitError, match="failed in the warm-up"):
+        list(encode_prepared(vit, prepared_after(stager, images, []), stager=stager))
+    assert not [t for t in threading.enumerate() if t.name.startswith("glmvit-warm-up")]
+
+
+def test_a_stream_closed_early_waits_for_its_warm_up(vit):
+    """A stream closed before its first batch ends its warm-up before it returns: a warm-up left
+    running would use the engine after the stream's turn on it has passed to another."""
+    stager = WarmingStager(vit, seconds=0.5)
+    results = encode_prepared(vit, prepared_after(stager, [photo_like(40, 50, seed=2)] * 3, []), stager=stager)
+    next(results)
+    results.close()
+    assert "warm-up ended" in stager.events
+    assert not [t for t in threading.enumerate() if t.name.startswith("glmvit-warm-up")]
 
 
 def test_plan_batches_packs_in_order_under_the_budget():

@@ -666,8 +666,20 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
     packer = Packer(vit.p_max)
     in_flight: deque[tuple[Any, list[Piece]]] = deque()
     announced: deque[Reserve] = deque()  # inputs admitted, their Reserve not yet yielded
+    # The stager's first batch has one-time costs (the engine's scratch, kernels loaded on their
+    # first launch, the output slots): a thread pays them while the first inputs decode, and the
+    # first submit waits for it. No warm-up outlives the stream (its turn on the engine).
+    warmer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-warm-up")
+    warming: Future | None = warmer.submit(stager.warm_up, outputs, dtype)
+
+    def warmed() -> None:
+        nonlocal warming
+        if warming is not None:
+            done, warming = warming, None
+            done.result()
 
     def submit(batch: list[Piece]) -> None:
+        warmed()
         pixels, grid, staged = [], [], []
         for piece in batch:
             slot = piece.owner
@@ -831,10 +843,12 @@ def encode_prepared(vit, prepared: Iterable[tuple[Any, Prepared]], *, outputs: S
                 clips.wait_for_any([s.prep.groups for s in arriving if placeable(s)])
         if last := packer.close():
             submit(last)
+        warmed()  # a warm-up's failure is the run's, whether or not a batch came after it
         while in_flight:
             collect()
             yield from ready()
     finally:
+        warmer.shutdown(wait=True)
         for slot in order:  # the stream stopped early: the frames still coming are for nobody
             if slot.prep.groups is not None:
                 slot.prep.groups.abandon()

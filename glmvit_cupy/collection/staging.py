@@ -126,6 +126,9 @@ class NumpyStager:
             _no_video(pixels)
         return patchify_frames(pixels, self.video)
 
+    def warm_up(self, outputs: Sequence[str], dtype: str) -> None:
+        """Nothing: the CPU's first batch costs what the others do."""
+
     def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
                dtype: str) -> Pending:
         pixels = np.concatenate([self._pixel_values(c) for c in canvases])
@@ -190,6 +193,24 @@ class CupyStager:
                 self.device_out[name] = self.cupy.empty(nbytes, dtype=self.cupy.uint8)
             if name not in self.pinned_out[slot] or self.pinned_out[slot][name].nbytes < nbytes:
                 self.pinned_out[slot][name] = self._pinned(nbytes)
+
+    def warm_up(self, outputs: Sequence[str], dtype: str) -> None:
+        """Pay what this stager's first batch of `outputs` in `dtype` would pay once, now (a
+        stream does it on a thread while its first inputs decode): the engine's warm-up, both
+        slots' output buffers, and the first call of the finite check's CuPy kernels at their
+        size (~0.2 s in all on the H200, benchmarks/NOTES.md). Not while a submit runs."""
+        from ..gpu.faults import synchronize
+        outputs = tuple(outputs)
+        with self.tower.current():
+            self.tower.warm_up()
+            for slot in range(2):
+                if self.slot_pending[slot] is not None:  # _output_buffers' rule, as in _submit
+                    self.slot_pending[slot].result()
+                self._output_buffers(slot, outputs, dtype)
+            with self.tower.stream:
+                for name in outputs:
+                    finite_rows(self._view(self.device_out[name], self.m_max, dtype), dtype)
+            synchronize(self.tower.stream, "the stager's warm-up")
 
     def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
                dtype: str) -> Pending:

@@ -338,6 +338,10 @@ class EngineGroup:
         slots serve one; a stream inside a stream of the same thread is refused."""
         return self._stream(what)
 
+    def warm_up(self, outputs: Sequence[str], dtype: str) -> None:
+        """Nothing here: each engine process pays its first batch's one-time costs with that batch
+        (the stream's warm-up thread cannot reach into them)."""
+
     def submit(self, canvases: Sequence[np.ndarray], grid_thw: np.ndarray, outputs: Sequence[str],
                dtype: str) -> Pending:
         if (tuple(outputs), dtype) != (self.plan.outputs, self.dtype):  # the shared slots are laid out for those

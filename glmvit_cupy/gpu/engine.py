@@ -14,7 +14,7 @@ differences are where the data lives and how it is rounded:
   f32 score GEMM, softmax_rows, PV GEMM), kept as the cross-check and for other head dims.
 - On Hopper the MLPs' gate|up GEMM and clamped SwiGLU are one kernel (gemm_swiglu_sm90.cu)
   reading its operands by TMA; elsewhere (or for dims not in its tiles) cuBLAS + swiglu_clamp.
-- Memory is the preallocated `GlmVitScratch`, allocated on the first image.
+- Memory is the preallocated `GlmVitScratch`, allocated on the first image (or by `warm_up`).
 - A shape seen a second time is captured as a CUDA graph and replayed from then on (a launch
   from Python costs several times a replayed node, and 24 blocks are ~250 launches). The
   first image of a shape runs eagerly, so it never waits on a capture.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections import OrderedDict
 from typing import Callable, Iterator
 
@@ -46,6 +47,7 @@ from .scratch import GlmVitScratch, scratch_plan
 
 ATTENTION = ("auto", "flash", "naive")
 GRIDS_KEPT = 16  # grids whose host tables and CUDA graph are kept (a graph: a few hundred nodes, no memory of its own)
+WARM_UP_SIDE = 16  # patches a side of warm_up's grid: every kernel of a forward, few FLOPs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,7 @@ class CupyTower:
         # The host tables of the last grids, and which grid's the index slab holds now.
         self.tables: OrderedDict[bytes, GridTables] = OrderedDict()
         self.uploaded: bytes | None = None
+        self.warm = False
         self.stream.synchronize()
 
     @property
@@ -205,6 +208,18 @@ class CupyTower:
         """(last_hidden_state, pooler_output) float32 [m, out_hidden] of the last run, in the
         scratch: read them (on self.stream) before the next run overwrites them."""
         return self.scratch.last_hidden[:m], self.scratch.pooler[:m]
+
+    def warm_up(self) -> None:
+        """Pay the first forward's one-time costs now: the scratch, and our kernels' and cuBLAS's
+        modules, which CUDA loads on their first launch (~0.1 s on the H200, where a collection
+        pays them while its first inputs decode: benchmarks/NOTES.md). A forward of a small grid
+        of zeros; once per tower."""
+        if self.warm:
+            return
+        side = min(WARM_UP_SIDE, math.isqrt(self.p_max)) // self.geo.spatial_merge_size * self.geo.spatial_merge_size
+        self.forward(cupy.zeros((side * side, self.geo.patch_dim), dtype=cupy.float32),
+                     np.array([[1, side, side]], dtype=np.int64))
+        self.warm = True
 
     # ---- the forward: host bookkeeping, then one flat sequence of launches -------------
 
