@@ -22,7 +22,8 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import GlmVit, GlmVitError, preprocess
-from glmvit_cupy.collection.pipeline import Decoder, encode_collection, encode_prepared, plan_batches, prepare, stream
+from glmvit_cupy.collection.pipeline import (Decoder, Reserve, encode_collection, encode_prepared, plan_batches, prepare,
+                                             stream)
 from glmvit_cupy.collection.shards import FORMAT, BackgroundWriter, ShardWriter, read_embeddings
 from glmvit_cupy.collection.sources import expand_inputs
 from glmvit_cupy.collection.staging import make_stager
@@ -269,7 +270,6 @@ import sys, tracemalloc
 from glmvit_cupy import GlmVit
 from glmvit_cupy.collection.pipeline import encode_collection
 from glmvit_cupy.collection.sources import expand_inputs
-from glmvit_cupy.collection.staging import make_stager
 
 model, images, out = sys.argv[1:]
 vit = GlmVit.from_pretrained(model, backend="numpy", max_pixels=8 * 64 * 196, max_image_tokens=16)
@@ -370,6 +370,10 @@ class WarmingStager:
         return self.inner.submit(*args)
 
 
+def assert_no_warm_up_thread() -> None:
+    assert not [t for t in threading.enumerate() if t.name.startswith("glmvit-warm-up")]
+
+
 def prepared_after(stager: WarmingStager, images: list, noted: list) -> Iterator:
     """The decoded inputs as encode_prepared takes them, the first handed over only once the
     stager's warm-up has begun (noting whether it had within 5 s): as a decode pool's first
@@ -392,7 +396,7 @@ def test_the_engines_warm_up_runs_while_the_first_inputs_decode(vit):
     assert [r.error for r in got] == [None] * 3
     for r, w in zip(got, want):
         assert_same_rows(r.arrays["pooler_output"], w)
-    assert not [t for t in threading.enumerate() if t.name.startswith("glmvit-warm-up")]
+    assert_no_warm_up_thread()
 
 
 @pytest.mark.parametrize("inputs", ["images", "all failing"])
@@ -403,18 +407,19 @@ def test_a_failed_warm_up_fails_the_stream(vit, inputs):
     stager = WarmingStager(vit, error="the GPU failed in the warm-up: an illegal memory access")
     with pytest.raises(GlmVitError, match="failed in the warm-up"):
         list(encode_prepared(vit, prepared_after(stager, images, []), stager=stager))
-    assert not [t for t in threading.enumerate() if t.name.startswith("glmvit-warm-up")]
+    assert_no_warm_up_thread()
 
 
 def test_a_stream_closed_early_waits_for_its_warm_up(vit):
     """A stream closed before its first batch ends its warm-up before it returns: a warm-up left
     running would use the engine after the stream's turn on it has passed to another."""
     stager = WarmingStager(vit, seconds=0.5)
-    results = encode_prepared(vit, prepared_after(stager, [photo_like(40, 50, seed=2)] * 3, []), stager=stager)
-    next(results)
+    results = encode_prepared(vit, prepared_after(stager, [photo_like(40, 50, seed=2)] * 3, []), stager=stager,
+                              parts=True)
+    assert isinstance(next(results), Reserve)  # the first input admitted, no batch closed yet
     results.close()
-    assert "warm-up ended" in stager.events
-    assert not [t for t in threading.enumerate() if t.name.startswith("glmvit-warm-up")]
+    assert stager.events == ["warm-up began", "warm-up ended"]  # ended before close() returned, nothing submitted
+    assert_no_warm_up_thread()
 
 
 def test_plan_batches_packs_in_order_under_the_budget():
